@@ -1,0 +1,1 @@
+"""dcr: bit-exact delta-compressed refit."""
