@@ -1,0 +1,546 @@
+//! The chunk codec: turns the old and new stored bytes of one element range
+//! into a compact payload of changes, and applies such a payload in place.
+//!
+//! A chunk's changes are either XOR masks (old ^ new, exact for any bit
+//! pattern and self-inverse) or overwrites (the new bits, idempotent). The
+//! encoder picks the smallest representation per chunk:
+//! - `Sparse`: gap-coded positions (one byte per gap, 255 escapes to a varint
+//!   stream) plus the value words split into byte planes;
+//! - `Bitmap`: one bit per element plus byte planes of the changed values;
+//! - `Dense`: byte planes of every element's value (XOR or new);
+//! - `Raw`: every element's value verbatim, no compression.
+//! Every stream goes through zstd when that is smaller. Decoding needs only
+//! the payload (context-free mode).
+
+pub mod streams;
+
+use crate::error::{Error, Result};
+use streams::{get_varint, put_stream, put_varint, StreamReader};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum ChangeKind {
+    /// Payload values are old ^ new; applying twice undoes the change.
+    Xor = 0,
+    /// Payload values are the new bits; applying twice is harmless.
+    Overwrite = 1,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Encoding {
+    Sparse = 0,
+    Bitmap = 1,
+    Dense = 2,
+    Raw = 3,
+}
+
+/// How the decoder reads the payload: `Free` needs nothing but the payload;
+/// `Context` (reserved) also reads the base values of the chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Mode {
+    Free = 0,
+    Context = 1,
+}
+
+impl ChangeKind {
+    pub fn from_code(code: u8, context: &str) -> Result<Self> {
+        match code {
+            0 => Ok(ChangeKind::Xor),
+            1 => Ok(ChangeKind::Overwrite),
+            _ => Err(Error::UnknownCode { what: "change kind", code, context: context.into() }),
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            ChangeKind::Xor => "xor",
+            ChangeKind::Overwrite => "overwrite",
+        }
+    }
+}
+
+impl Encoding {
+    pub fn from_code(code: u8, context: &str) -> Result<Self> {
+        match code {
+            0 => Ok(Encoding::Sparse),
+            1 => Ok(Encoding::Bitmap),
+            2 => Ok(Encoding::Dense),
+            3 => Ok(Encoding::Raw),
+            _ => Err(Error::UnknownCode { what: "encoding", code, context: context.into() }),
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Encoding::Sparse => "sparse",
+            Encoding::Bitmap => "bitmap",
+            Encoding::Dense => "dense",
+            Encoding::Raw => "raw",
+        }
+    }
+}
+
+impl Mode {
+    pub fn from_code(code: u8, context: &str) -> Result<Self> {
+        match code {
+            0 => Ok(Mode::Free),
+            1 => Ok(Mode::Context),
+            _ => Err(Error::UnknownCode { what: "mode", code, context: context.into() }),
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Free => "free",
+            Mode::Context => "context",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct EncodeOptions {
+    pub kind: ChangeKind,
+    pub zstd_level: i32,
+}
+
+impl Default for EncodeOptions {
+    fn default() -> Self {
+        EncodeOptions { kind: ChangeKind::Xor, zstd_level: 1 }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EncodedChunk {
+    pub encoding: Encoding,
+    pub n_changed: u32,
+    pub payload: Vec<u8>,
+}
+
+/// Changed positions of a chunk (ascending, relative to the chunk start) and
+/// their value words (XOR masks or new bits), as the diff scan or a GPU
+/// compaction kernel produces them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SparseChanges {
+    pub positions: Vec<u32>,
+    pub values: Vec<u64>,
+}
+
+fn lane_mask(width: usize) -> u64 {
+    if width == 8 {
+        u64::MAX
+    } else {
+        (1u64 << (8 * width)) - 1
+    }
+}
+
+fn read_word(bytes: &[u8]) -> u64 {
+    let mut w = [0u8; 8];
+    w[..bytes.len()].copy_from_slice(bytes);
+    u64::from_le_bytes(w)
+}
+
+fn check_width(width: usize) -> Result<()> {
+    match width {
+        1 | 2 | 4 | 8 => Ok(()),
+        _ => Err(Error::Invalid(format!("word width must be 1, 2, 4 or 8 bytes, got {width}"))),
+    }
+}
+
+/// Find the words that differ between `old` and `new` (same length, a
+/// multiple of `width`).
+pub fn find_changes(old: &[u8], new: &[u8], width: usize, kind: ChangeKind) -> Result<SparseChanges> {
+    check_width(width)?;
+    if old.len() != new.len() || old.len() % width != 0 {
+        return Err(Error::Invalid(format!(
+            "old and new must have equal lengths that are multiples of {width}: got {} and {}",
+            old.len(),
+            new.len()
+        )));
+    }
+    if old.len() / width > u32::MAX as usize {
+        return Err(Error::Invalid(format!("a chunk holds at most {} words", u32::MAX)));
+    }
+    let mut out = SparseChanges::default();
+    let lanes = 8 / width;
+    let mask = lane_mask(width);
+    let full = old.len() / 32 * 32;
+    let record = |base_word: usize, x: u64, nv: u64, out: &mut SparseChanges| {
+        for lane in 0..lanes {
+            let shift = lane * width * 8;
+            let xl = (x >> shift) & mask;
+            if xl != 0 {
+                out.positions.push((base_word + lane) as u32);
+                out.values.push(match kind {
+                    ChangeKind::Xor => xl,
+                    ChangeKind::Overwrite => (nv >> shift) & mask,
+                });
+            }
+        }
+    };
+    // 32 bytes at a time: one branch for the common all-equal block.
+    for (blk, (a, b)) in old[..full].chunks_exact(32).zip(new[..full].chunks_exact(32)).enumerate() {
+        let mut xs = [0u64; 4];
+        let mut any = 0u64;
+        for k in 0..4 {
+            let x = read_u64(&a[8 * k..]) ^ read_u64(&b[8 * k..]);
+            xs[k] = x;
+            any |= x;
+        }
+        if any == 0 {
+            continue;
+        }
+        for (k, &x) in xs.iter().enumerate() {
+            if x != 0 {
+                let nv = read_u64(&b[8 * k..]);
+                record((blk * 32 + 8 * k) / width, x, nv, &mut out);
+            }
+        }
+    }
+    for (i, (a, b)) in old[full..].chunks_exact(width).zip(new[full..].chunks_exact(width)).enumerate() {
+        let (x, nv) = (read_word(a) ^ read_word(b), read_word(b));
+        if x != 0 {
+            out.positions.push((full / width + i) as u32);
+            out.values.push(match kind {
+                ChangeKind::Xor => x,
+                ChangeKind::Overwrite => nv,
+            });
+        }
+    }
+    Ok(out)
+}
+
+#[inline(always)]
+fn read_u64(b: &[u8]) -> u64 {
+    u64::from_le_bytes(b[..8].try_into().expect("8 bytes"))
+}
+
+fn planes_of(values: impl ExactSizeIterator<Item = u64> + Clone, width: usize) -> Vec<Vec<u8>> {
+    (0..width)
+        .map(|j| values.clone().map(|v| (v >> (8 * j)) as u8).collect())
+        .collect()
+}
+
+fn put_planes(out: &mut Vec<u8>, planes: &[Vec<u8>], level: i32) {
+    // Most significant plane first: its stream is the most compressible.
+    for plane in planes.iter().rev() {
+        put_stream(out, plane, level);
+    }
+}
+
+fn encode_sparse(changes: &SparseChanges, width: usize, level: i32) -> Vec<u8> {
+    let mut gaps = Vec::with_capacity(changes.positions.len());
+    let mut overflow = Vec::new();
+    let mut next = 0u64;
+    for &p in &changes.positions {
+        let gap = u64::from(p) - next;
+        next = u64::from(p) + 1;
+        if gap < 255 {
+            gaps.push(gap as u8);
+        } else {
+            gaps.push(255);
+            put_varint(&mut overflow, gap - 255);
+        }
+    }
+    let mut out = Vec::new();
+    put_stream(&mut out, &gaps, level);
+    put_stream(&mut out, &overflow, level);
+    put_planes(&mut out, &planes_of(changes.values.iter().copied(), width), level);
+    out
+}
+
+fn encode_bitmap(changes: &SparseChanges, n: usize, width: usize, level: i32) -> Vec<u8> {
+    let mut bitmap = vec![0u8; n.div_ceil(8)];
+    for &p in &changes.positions {
+        bitmap[p as usize / 8] |= 1 << (p % 8);
+    }
+    let mut out = Vec::new();
+    put_stream(&mut out, &bitmap, level);
+    put_planes(&mut out, &planes_of(changes.values.iter().copied(), width), level);
+    out
+}
+
+fn dense_values(old: &[u8], new: &[u8], kind: ChangeKind) -> Vec<u8> {
+    match kind {
+        ChangeKind::Xor => old.iter().zip(new).map(|(a, b)| a ^ b).collect(),
+        ChangeKind::Overwrite => new.to_vec(),
+    }
+}
+
+fn encode_dense(values: &[u8], width: usize, level: i32) -> Vec<u8> {
+    let planes: Vec<Vec<u8>> =
+        (0..width).map(|j| values.iter().skip(j).step_by(width).copied().collect()).collect();
+    let mut out = Vec::new();
+    put_planes(&mut out, &planes, level);
+    out
+}
+
+/// Encode the changes between `old` and `new` (one chunk). `None` when the
+/// chunk did not change.
+pub fn encode_chunk(old: &[u8], new: &[u8], width: usize, opts: EncodeOptions) -> Result<Option<EncodedChunk>> {
+    let changes = find_changes(old, new, width, ChangeKind::Xor)?;
+    if changes.positions.is_empty() {
+        return Ok(None);
+    }
+    let changes = match opts.kind {
+        ChangeKind::Xor => changes,
+        ChangeKind::Overwrite => SparseChanges {
+            values: changes.positions.iter().map(|&p| read_word(&new[p as usize * width..][..width])).collect(),
+            positions: changes.positions,
+        },
+    };
+    let n = old.len() / width;
+    Ok(Some(encode_changes(&changes, n, width, opts, || dense_values(old, new, opts.kind))))
+}
+
+/// Encode changes already found (e.g. by a GPU compaction kernel). `dense`
+/// gives every element's value when a dense representation is considered.
+pub fn encode_changes(
+    changes: &SparseChanges,
+    n: usize,
+    width: usize,
+    opts: EncodeOptions,
+    dense: impl FnOnce() -> Vec<u8>,
+) -> EncodedChunk {
+    let m = changes.positions.len();
+    let density = m as f64 / n.max(1) as f64;
+    let level = opts.zstd_level;
+    let mut best: Option<(Encoding, Vec<u8>)> = None;
+    let consider = |enc: Encoding, payload: Vec<u8>, best: &mut Option<(Encoding, Vec<u8>)>| {
+        if best.as_ref().is_none_or(|(_, b)| payload.len() < b.len()) {
+            *best = Some((enc, payload));
+        }
+    };
+    if density <= 0.30 {
+        consider(Encoding::Sparse, encode_sparse(changes, width, level), &mut best);
+    }
+    if (0.05..=0.90).contains(&density) {
+        consider(Encoding::Bitmap, encode_bitmap(changes, n, width, level), &mut best);
+    }
+    if density >= 0.25 {
+        let values = dense();
+        consider(Encoding::Dense, encode_dense(&values, width, level), &mut best);
+        consider(Encoding::Raw, values, &mut best);
+    } else if best.as_ref().is_some_and(|(_, b)| b.len() >= n * width) {
+        consider(Encoding::Raw, dense(), &mut best);
+    }
+    let (encoding, payload) = best.expect("at least one encoding is always considered");
+    EncodedChunk { encoding, n_changed: m as u32, payload }
+}
+
+/// Decoded changes of a chunk, ready to be applied.
+enum Decoded {
+    /// Positions and byte planes (plane j holds byte j of each value).
+    Sparse { positions: Vec<u32>, planes: Vec<Vec<u8>> },
+    /// Every element's value bytes, interleaved (Raw) or as planes (Dense).
+    Full(Vec<u8>),
+}
+
+fn read_planes(r: &mut StreamReader<'_>, width: usize, count: usize) -> Result<Vec<Vec<u8>>> {
+    let mut planes: Vec<Vec<u8>> = Vec::with_capacity(width);
+    for j in (0..width).rev() {
+        planes.push(r.next(&format!("plane {j}"), count, count)?);
+    }
+    planes.reverse();
+    Ok(planes)
+}
+
+fn decode(payload: &[u8], n: usize, width: usize, encoding: Encoding, n_changed: u32, context: &str) -> Result<Decoded> {
+    let m = n_changed as usize;
+    if m > n || (m == 0 && n > 0) {
+        return Err(Error::corrupt(context, format!("{m} changed elements in a chunk of {n}")));
+    }
+    match encoding {
+        Encoding::Raw => {
+            if payload.len() != n * width {
+                return Err(Error::corrupt(context, format!("raw payload has {} bytes, expected {}", payload.len(), n * width)));
+            }
+            Ok(Decoded::Full(payload.to_vec()))
+        }
+        Encoding::Dense => {
+            let mut r = StreamReader::new(payload, context);
+            let planes = read_planes(&mut r, width, n)?;
+            r.finish()?;
+            let mut full = vec![0u8; n * width];
+            for (j, plane) in planes.iter().enumerate() {
+                for (i, &b) in plane.iter().enumerate() {
+                    full[i * width + j] = b;
+                }
+            }
+            Ok(Decoded::Full(full))
+        }
+        Encoding::Sparse => {
+            let mut r = StreamReader::new(payload, context);
+            let gaps = r.next("gaps", m, m)?;
+            let overflow = r.next("gap overflow", 0, 5 * m)?;
+            let planes = read_planes(&mut r, width, m)?;
+            r.finish()?;
+            let mut positions = Vec::with_capacity(m);
+            let mut next = 0u64;
+            let mut opos = 0usize;
+            for &g in &gaps {
+                let gap = if g < 255 {
+                    u64::from(g)
+                } else {
+                    255 + get_varint(&overflow, &mut opos, 5)
+                        .ok_or_else(|| Error::corrupt(context, "gap overflow stream ends early"))?
+                };
+                let p = next + gap;
+                if p >= n as u64 {
+                    return Err(Error::corrupt(context, format!("position {p} outside the chunk of {n} elements")));
+                }
+                positions.push(p as u32);
+                next = p + 1;
+            }
+            if opos != overflow.len() {
+                return Err(Error::corrupt(context, "unused bytes in the gap overflow stream"));
+            }
+            Ok(Decoded::Sparse { positions, planes })
+        }
+        Encoding::Bitmap => {
+            let mut r = StreamReader::new(payload, context);
+            let bitmap = r.next("bitmap", n.div_ceil(8), n.div_ceil(8))?;
+            let planes = read_planes(&mut r, width, m)?;
+            r.finish()?;
+            let mut positions = Vec::with_capacity(m);
+            for (byte_i, &byte) in bitmap.iter().enumerate() {
+                let mut bits = byte;
+                while bits != 0 {
+                    let p = byte_i * 8 + bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    if p >= n {
+                        return Err(Error::corrupt(context, "bitmap marks elements past the chunk end"));
+                    }
+                    positions.push(p as u32);
+                }
+            }
+            if positions.len() != m {
+                return Err(Error::corrupt(context, format!("bitmap marks {} elements, header says {m}", positions.len())));
+            }
+            Ok(Decoded::Sparse { positions, planes })
+        }
+    }
+}
+
+/// A decoded chunk: validated, ready to be applied to a target range.
+pub struct DecodedChunk {
+    width: usize,
+    inner: Decoded,
+}
+
+/// Decode and validate a chunk payload of `n` words. Nothing is written.
+pub fn decode_chunk(
+    payload: &[u8],
+    n: usize,
+    width: usize,
+    encoding: Encoding,
+    n_changed: u32,
+    context: &str,
+) -> Result<DecodedChunk> {
+    check_width(width)?;
+    Ok(DecodedChunk { width, inner: decode(payload, n, width, encoding, n_changed, context)? })
+}
+
+impl DecodedChunk {
+    /// Apply in place. `target` must be the chunk's range (n words); the
+    /// positions were bounds-checked while decoding.
+    pub fn apply(&self, target: &mut [u8], kind: ChangeKind) {
+        let width = self.width;
+        match &self.inner {
+            Decoded::Sparse { positions, planes } => {
+                for (i, &p) in positions.iter().enumerate() {
+                    let word = &mut target[p as usize * width..][..width];
+                    for (j, plane) in planes.iter().enumerate() {
+                        match kind {
+                            ChangeKind::Xor => word[j] ^= plane[i],
+                            ChangeKind::Overwrite => word[j] = plane[i],
+                        }
+                    }
+                }
+            }
+            Decoded::Full(values) => match kind {
+                ChangeKind::Xor => target.iter_mut().zip(values).for_each(|(t, v)| *t ^= v),
+                ChangeKind::Overwrite => target.copy_from_slice(values),
+            },
+        }
+    }
+
+    /// The target's current bytes at this chunk's positions, as a chunk that
+    /// restores them when applied as an overwrite.
+    pub fn capture(&self, target: &[u8]) -> DecodedChunk {
+        let width = self.width;
+        let inner = match &self.inner {
+            Decoded::Sparse { positions, .. } => Decoded::Sparse {
+                positions: positions.clone(),
+                planes: (0..width).map(|j| positions.iter().map(|&p| target[p as usize * width + j]).collect()).collect(),
+            },
+            Decoded::Full(_) => Decoded::Full(target.to_vec()),
+        };
+        DecodedChunk { width, inner }
+    }
+
+    /// Positions and value words.
+    pub fn to_changes(&self) -> SparseChanges {
+        let width = self.width;
+        match &self.inner {
+            Decoded::Sparse { positions, planes } => SparseChanges {
+                values: (0..positions.len())
+                    .map(|i| planes.iter().enumerate().fold(0u64, |v, (j, p)| v | (u64::from(p[i]) << (8 * j))))
+                    .collect(),
+                positions: positions.clone(),
+            },
+            Decoded::Full(bytes) => {
+                let mut out = SparseChanges::default();
+                for (i, w) in bytes.chunks_exact(width).enumerate() {
+                    out.positions.push(i as u32);
+                    out.values.push(read_word(w));
+                }
+                out
+            }
+        }
+    }
+}
+
+/// Decode a chunk payload and apply it in place to `target` (the chunk's
+/// stored bytes). Nothing is written unless the whole payload decodes.
+pub fn apply_chunk(
+    target: &mut [u8],
+    width: usize,
+    kind: ChangeKind,
+    encoding: Encoding,
+    n_changed: u32,
+    payload: &[u8],
+    context: &str,
+) -> Result<()> {
+    check_width(width)?;
+    if target.len() % width != 0 {
+        return Err(Error::Invalid(format!("target length {} is not a multiple of {width}", target.len())));
+    }
+    decode_chunk(payload, target.len() / width, width, encoding, n_changed, context)?.apply(target, kind);
+    Ok(())
+}
+
+/// Apply already-decoded sparse changes in place (the CPU reference of the
+/// GPU apply kernels).
+pub fn apply_changes(target: &mut [u8], width: usize, kind: ChangeKind, changes: &SparseChanges) -> Result<()> {
+    check_width(width)?;
+    let n = target.len() / width;
+    if changes.positions.len() != changes.values.len() {
+        return Err(Error::Invalid("positions and values differ in length".into()));
+    }
+    if let Some(&p) = changes.positions.iter().find(|&&p| p as usize >= n) {
+        return Err(Error::Invalid(format!("position {p} outside a target of {n} words")));
+    }
+    let mask = lane_mask(width);
+    for (&p, &v) in changes.positions.iter().zip(&changes.values) {
+        let word = &mut target[p as usize * width..][..width];
+        let v = v & mask;
+        let new = match kind {
+            ChangeKind::Xor => read_word(word) ^ v,
+            ChangeKind::Overwrite => v,
+        };
+        word.copy_from_slice(&new.to_le_bytes()[..width]);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

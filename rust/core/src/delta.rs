@@ -1,0 +1,460 @@
+//! Whole-checkpoint deltas: build one from two versions (streaming frames out
+//! as chunks are encoded), validate one, and apply one in place with a base
+//! check before any byte changes and a digest check after.
+
+use std::collections::HashSet;
+
+use rayon::prelude::*;
+
+use crate::checkpoint::{digest_hex, digest_short, tensor_digests, Digest, Layout};
+use crate::codec::{self, ChangeKind, DecodedChunk, EncodeOptions, Mode};
+use crate::error::{Error, Result};
+use crate::format::{self, chunk_words, ChunkFrame, DeltaHeader, Frame, Trailer};
+
+pub const DEFAULT_CHUNK_BYTES: u32 = 4 << 20;
+
+#[derive(Clone, Copy, Debug)]
+pub struct DiffOptions {
+    pub chunk_bytes: u32,
+    pub kind: ChangeKind,
+    pub zstd_level: i32,
+    pub mode: Mode,
+    pub base_version: u64,
+    pub target_version: u64,
+}
+
+impl Default for DiffOptions {
+    fn default() -> Self {
+        DiffOptions {
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
+            kind: ChangeKind::Xor,
+            zstd_level: 1,
+            mode: Mode::Free,
+            base_version: 0,
+            target_version: 1,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TensorStats {
+    pub name: String,
+    pub words: u64,
+    pub changed: u64,
+    pub chunks: u32,
+    pub payload_bytes: u64,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeltaStats {
+    pub base_digest: Digest,
+    pub target_digest: Digest,
+    pub base_version: u64,
+    pub target_version: u64,
+    pub total_words: u64,
+    pub total_bytes: u64,
+    pub changed: u64,
+    pub chunks: u32,
+    /// All bytes of the delta: preamble, header, frames, trailer.
+    pub delta_bytes: u64,
+    pub per_tensor: Vec<TensorStats>,
+    pub encodings: [u32; 4],
+}
+
+/// One unit of work: chunk `start..start+len` (words) of tensor `tensor`.
+#[derive(Clone, Copy, Debug)]
+struct Unit {
+    tensor: usize,
+    start: u64,
+    len: u64,
+}
+
+fn plan(layout: &Layout, chunk_bytes: u32) -> Result<Vec<Unit>> {
+    let mut units = Vec::new();
+    for (i, t) in layout.tensors().iter().enumerate() {
+        let words = t.words()?;
+        let k = chunk_words(chunk_bytes, t.dtype);
+        let mut start = 0;
+        while start < words {
+            let len = k.min(words - start);
+            units.push(Unit { tensor: i, start, len });
+            start += len;
+        }
+    }
+    Ok(units)
+}
+
+/// Build the delta from `old` to `new` (buffers in the layout's canonical
+/// order). Frames go to `sink` in order as soon as they are encoded; the
+/// work is spread over rayon's threads in batches so memory stays bounded.
+pub fn diff(
+    layout: &Layout,
+    old: &[&[u8]],
+    new: &[&[u8]],
+    opts: &DiffOptions,
+    sink: &mut dyn FnMut(&[u8]) -> Result<()>,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<DeltaStats> {
+    if opts.chunk_bytes == 0 || opts.chunk_bytes > format::MAX_CHUNK_BYTES {
+        return Err(Error::Invalid(format!("chunk size must be 1..={} bytes, got {}", format::MAX_CHUNK_BYTES, opts.chunk_bytes)));
+    }
+    if opts.mode != Mode::Free {
+        return Err(Error::Invalid("mode 'context' is not available in this build; use mode 'free'".into()));
+    }
+    layout.check_buffers(old.iter().map(|b| b.len()))?;
+    layout.check_buffers(new.iter().map(|b| b.len()))?;
+    let (old_d, new_d) = rayon::join(|| tensor_digests(old), || tensor_digests(new));
+    let base_digest = layout.checkpoint_digest(&old_d);
+    let target_digest = layout.checkpoint_digest(&new_d);
+    let delta_id = DeltaHeader::compute_id(
+        &base_digest,
+        &target_digest,
+        opts.base_version,
+        opts.target_version,
+        opts.chunk_bytes,
+        &[opts.kind as u8, opts.mode as u8],
+    );
+    let header = DeltaHeader {
+        delta_id,
+        base_digest,
+        target_digest,
+        base_version: opts.base_version,
+        target_version: opts.target_version,
+        chunk_bytes: opts.chunk_bytes,
+        layout: layout.clone(),
+    };
+    let mut stats = DeltaStats {
+        base_digest,
+        target_digest,
+        base_version: opts.base_version,
+        target_version: opts.target_version,
+        total_bytes: layout.total_bytes(),
+        per_tensor: layout
+            .tensors()
+            .iter()
+            .map(|t| Ok(TensorStats { name: t.name.clone(), words: t.words()?, ..Default::default() }))
+            .collect::<Result<_>>()?,
+        ..Default::default()
+    };
+    stats.total_words = stats.per_tensor.iter().map(|t| t.words).sum();
+    let mut emit = |bytes: &[u8], stats: &mut DeltaStats| -> Result<()> {
+        stats.delta_bytes += bytes.len() as u64;
+        sink(bytes)
+    };
+    emit(&format::preamble(), &mut stats)?;
+    emit(&header.to_frame(), &mut stats)?;
+
+    let units = plan(layout, opts.chunk_bytes)?;
+    let enc = EncodeOptions { kind: opts.kind, zstd_level: opts.zstd_level };
+    let batch = (rayon::current_num_threads() * 4).max(4);
+    let total_bytes = stats.total_bytes;
+    let mut done_bytes = 0u64;
+    let mut seq = 0u32;
+    for group in units.chunks(batch) {
+        let encoded: Vec<Result<Option<codec::EncodedChunk>>> = group
+            .par_iter()
+            .map(|u| {
+                let w = layout.tensors()[u.tensor].dtype.word_bytes();
+                let range = (u.start as usize * w)..((u.start + u.len) as usize * w);
+                codec::encode_chunk(&old[u.tensor][range.clone()], &new[u.tensor][range], w, enc)
+            })
+            .collect();
+        for (u, e) in group.iter().zip(encoded) {
+            let w = layout.tensors()[u.tensor].dtype.word_bytes() as u64;
+            done_bytes += u.len * w;
+            let Some(chunk) = e? else { continue };
+            let frame = ChunkFrame {
+                delta_tag: header.tag(),
+                seq,
+                tensor: u.tensor as u32,
+                start: u.start,
+                len: u.len as u32,
+                kind: opts.kind,
+                encoding: chunk.encoding,
+                mode: opts.mode,
+                n_changed: chunk.n_changed,
+                payload: chunk.payload,
+            };
+            let bytes = frame.to_frame();
+            let t = &mut stats.per_tensor[u.tensor];
+            t.changed += u64::from(frame.n_changed);
+            t.chunks += 1;
+            t.payload_bytes += bytes.len() as u64;
+            stats.changed += u64::from(frame.n_changed);
+            stats.encodings[frame.encoding as usize] += 1;
+            seq = seq.checked_add(1).ok_or_else(|| Error::Invalid("more than 2^32 chunks: use a larger chunk size".into()))?;
+            emit(&bytes, &mut stats)?;
+        }
+        progress(done_bytes, total_bytes);
+    }
+    stats.chunks = seq;
+    let trailer = Trailer { delta_tag: header.tag(), n_chunks: seq, n_changed: stats.changed, tensor_digests: new_d };
+    emit(&trailer.to_frame(), &mut stats)?;
+    Ok(stats)
+}
+
+/// A fully parsed and structurally validated delta.
+#[derive(Clone, Debug)]
+pub struct Delta {
+    pub header: DeltaHeader,
+    pub chunks: Vec<ChunkFrame>,
+    pub trailer: Trailer,
+}
+
+/// Check a chunk frame against its delta's header: identity, tensor index and
+/// the chunk grid. Returns the chunk's byte range within its tensor.
+pub fn check_chunk(header: &DeltaHeader, chunk: &ChunkFrame) -> Result<std::ops::Range<usize>> {
+    if chunk.delta_tag != header.tag() {
+        return Err(Error::ForeignChunk {
+            seq: chunk.seq,
+            expected: format!("{:016x}", header.tag()),
+            found: format!("{:016x}", chunk.delta_tag),
+        });
+    }
+    let ctx = || format!("chunk {}", chunk.seq);
+    let spec = header
+        .layout
+        .tensors()
+        .get(chunk.tensor as usize)
+        .ok_or_else(|| Error::corrupt(ctx(), format!("tensor index {} but the delta has {} tensors", chunk.tensor, header.layout.len())))?;
+    let words = spec.words()?;
+    let k = header.chunk_words(spec);
+    if chunk.start % k != 0 || chunk.start >= words || u64::from(chunk.len) != k.min(words - chunk.start) {
+        return Err(Error::corrupt(
+            ctx(),
+            format!("range {}+{} is off the chunk grid of tensor {} ({words} words, {k} per chunk)", chunk.start, chunk.len, spec.name),
+        ));
+    }
+    if chunk.mode != Mode::Free {
+        return Err(Error::Invalid(format!(
+            "chunk {} uses the '{}' mode, which this build cannot decode; upgrade dcr",
+            chunk.seq,
+            chunk.mode.name()
+        )));
+    }
+    let w = spec.dtype.word_bytes();
+    Ok(chunk.start as usize * w..(chunk.start as usize + chunk.len as usize) * w)
+}
+
+/// Parse and validate a complete delta held in memory: preamble, every
+/// frame's checksum, frame order, chunk identities, unique sequence numbers
+/// and the trailer's count. Nothing is applied.
+pub fn read_delta(bytes: &[u8]) -> Result<Delta> {
+    let mut pos = format::parse_preamble(bytes)?
+        .ok_or_else(|| Error::truncated("preamble", format::PREAMBLE_LEN as u64, bytes.len() as u64))?;
+    let next = |pos: &mut usize, what: &str| -> Result<Frame> {
+        match format::parse_frame(&bytes[*pos..])? {
+            Some((f, used)) => {
+                *pos += used;
+                Ok(f)
+            }
+            None => Err(Error::Incomplete { detail: format!("the delta ends inside {what} at byte {}", *pos) }),
+        }
+    };
+    let header = match next(&mut pos, "the header")? {
+        Frame::Header(h) => h,
+        _ => return Err(Error::corrupt("delta", "the first frame is not a header")),
+    };
+    let mut chunks = Vec::new();
+    let mut seen = HashSet::new();
+    let trailer = loop {
+        if pos == bytes.len() {
+            return Err(Error::Incomplete { detail: format!("no trailer after {} chunks", chunks.len()) });
+        }
+        match next(&mut pos, "a chunk frame")? {
+            Frame::Chunk(c) => {
+                check_chunk(&header, &c)?;
+                if !seen.insert((c.tensor, c.start)) {
+                    return Err(Error::DuplicateChunk { seq: c.seq });
+                }
+                if c.seq as usize != chunks.len() {
+                    return Err(Error::corrupt("delta", format!("chunk seq {} where {} was expected", c.seq, chunks.len())));
+                }
+                chunks.push(c);
+            }
+            Frame::Trailer(t) => break t,
+            Frame::Header(_) => return Err(Error::corrupt("delta", "a second header frame")),
+        }
+    };
+    if pos != bytes.len() {
+        return Err(Error::corrupt("delta", format!("{} bytes after the trailer", bytes.len() - pos)));
+    }
+    check_trailer(&header, &trailer, chunks.len() as u32)?;
+    Ok(Delta { header, chunks, trailer })
+}
+
+pub fn check_trailer(header: &DeltaHeader, trailer: &Trailer, chunks_seen: u32) -> Result<()> {
+    if trailer.delta_tag != header.tag() {
+        return Err(Error::ForeignChunk {
+            seq: u32::MAX,
+            expected: format!("{:016x}", header.tag()),
+            found: format!("{:016x}", trailer.delta_tag),
+        });
+    }
+    if trailer.n_chunks != chunks_seen {
+        return Err(Error::Incomplete { detail: format!("the trailer counts {} chunks, {chunks_seen} arrived", trailer.n_chunks) });
+    }
+    if trailer.tensor_digests.len() != header.layout.len() {
+        return Err(Error::corrupt("trailer", "tensor digest count differs from the tensor table"));
+    }
+    if header.layout.checkpoint_digest(&trailer.tensor_digests) != header.target_digest {
+        return Err(Error::corrupt("trailer", "tensor digests do not hash to the header's target digest"));
+    }
+    Ok(())
+}
+
+/// What `apply` found and did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ApplyOutcome {
+    Applied { chunks: u32, changed: u64 },
+    /// The target already holds the delta's target version; nothing written.
+    AlreadyAtTarget,
+}
+
+/// Ensure the target (its layout and current tensor digests) is this
+/// delta's base. Returns `Ok(true)` when it already is the target.
+pub fn check_base(header: &DeltaHeader, layout: &Layout, digests: &[Digest]) -> Result<bool> {
+    header.layout.ensure_same(layout, "target checkpoint")?;
+    let found = layout.checkpoint_digest(digests);
+    if found == header.target_digest {
+        return Ok(true);
+    }
+    if found != header.base_digest {
+        return Err(Error::BaseMismatch {
+            base: format!("v{} ({})", header.base_version, digest_short(&header.base_digest)),
+            target: format!("v{} ({})", header.target_version, digest_short(&header.target_digest)),
+            found: digest_short(&found),
+        });
+    }
+    Ok(false)
+}
+
+/// Split each tensor buffer into the disjoint byte ranges of `chunks`
+/// (sorted by tensor, then start; ranges from `check_chunk`).
+fn split_targets<'t, 'c>(
+    targets: &'t mut [&mut [u8]],
+    chunks: &[(&'c ChunkFrame, std::ops::Range<usize>)],
+) -> Vec<&'t mut [u8]> {
+    let mut out = Vec::with_capacity(chunks.len());
+    let mut rests: Vec<(usize, &'t mut [u8])> = targets.iter_mut().map(|t| (0usize, &mut **t)).collect();
+    for (c, range) in chunks {
+        let (consumed, rest) = &mut rests[c.tensor as usize];
+        let tail = std::mem::take(rest);
+        let (_, tail) = tail.split_at_mut(range.start - *consumed);
+        let (mine, tail) = tail.split_at_mut(range.len());
+        *consumed = range.end;
+        *rest = tail;
+        out.push(mine);
+    }
+    out
+}
+
+/// Apply a validated delta in place. Order: base check (nothing written on
+/// a wrong base), decode every chunk (nothing written on a corrupt payload),
+/// apply all chunks in parallel, verify the target digests; on a mismatch
+/// restore the base (XOR chunks are re-applied, overwritten bytes put back)
+/// and fail naming the tensors.
+pub fn apply(delta: &Delta, layout: &Layout, targets: &mut [&mut [u8]]) -> Result<ApplyOutcome> {
+    layout.check_buffers(targets.iter().map(|t| t.len()))?;
+    let digests = tensor_digests(&targets.iter().map(|t| &**t).collect::<Vec<_>>());
+    if check_base(&delta.header, layout, &digests)? {
+        return Ok(ApplyOutcome::AlreadyAtTarget);
+    }
+    let mut order: Vec<(&ChunkFrame, std::ops::Range<usize>)> =
+        delta.chunks.iter().map(|c| Ok((c, check_chunk(&delta.header, c)?))).collect::<Result<_>>()?;
+    order.sort_by_key(|(c, _)| (c.tensor, c.start));
+    let decoded: Vec<DecodedChunk> = order
+        .par_iter()
+        .map(|(c, range)| {
+            let w = layout.tensors()[c.tensor as usize].dtype.word_bytes();
+            codec::decode_chunk(&c.payload, range.len() / w, w, c.encoding, c.n_changed, &format!("chunk {}", c.seq))
+        })
+        .collect::<Result<_>>()?;
+    let mut slices = split_targets(targets, &order);
+    let saved: Vec<Option<DecodedChunk>> = slices
+        .par_iter_mut()
+        .zip(decoded.par_iter())
+        .zip(order.par_iter())
+        .map(|((slice, d), (c, _))| {
+            let undo = (c.kind == ChangeKind::Overwrite).then(|| d.capture(slice));
+            d.apply(slice, c.kind);
+            undo
+        })
+        .collect();
+    drop(slices);
+    let after = tensor_digests(&targets.iter().map(|t| &**t).collect::<Vec<_>>());
+    let bad: Vec<String> = layout
+        .tensors()
+        .iter()
+        .zip(after.iter().zip(&delta.trailer.tensor_digests))
+        .filter(|(_, (a, b))| a != b)
+        .map(|(t, _)| t.name.clone())
+        .collect();
+    if !bad.is_empty() {
+        let mut slices = split_targets(targets, &order);
+        slices.par_iter_mut().zip(decoded.par_iter()).zip(saved.par_iter()).zip(order.par_iter()).for_each(
+            |(((slice, d), undo), (c, _))| match (c.kind, undo) {
+                (ChangeKind::Xor, _) => d.apply(slice, ChangeKind::Xor),
+                (ChangeKind::Overwrite, Some(u)) => u.apply(slice, ChangeKind::Overwrite),
+                (ChangeKind::Overwrite, None) => unreachable!("overwrite chunks always capture"),
+            },
+        );
+        drop(slices);
+        let restored = tensor_digests(&targets.iter().map(|t| &**t).collect::<Vec<_>>());
+        if restored != digests {
+            let lost: Vec<_> = layout.tensors().iter().zip(restored.iter().zip(&digests)).filter(|(_, (a, b))| a != b).collect();
+            return Err(Error::RollbackFailed { count: lost.len(), first: lost[0].0.name.clone() });
+        }
+        return Err(Error::TargetMismatch { count: bad.len(), first: bad[0].clone(), tensors: bad });
+    }
+    Ok(ApplyOutcome::Applied { chunks: delta.chunks.len() as u32, changed: delta.trailer.n_changed })
+}
+
+/// Summary of a delta for `dcr inspect`.
+pub fn summarize(delta: &Delta, delta_bytes: u64) -> DeltaStats {
+    let layout = &delta.header.layout;
+    let mut per_tensor: Vec<TensorStats> = layout
+        .tensors()
+        .iter()
+        .map(|t| TensorStats { name: t.name.clone(), words: t.words().unwrap_or(0), ..Default::default() })
+        .collect();
+    let mut encodings = [0u32; 4];
+    for c in &delta.chunks {
+        let t = &mut per_tensor[c.tensor as usize];
+        t.changed += u64::from(c.n_changed);
+        t.chunks += 1;
+        t.payload_bytes += (c.payload.len() + format::CHUNK_FIXED + 9) as u64;
+        encodings[c.encoding as usize] += 1;
+    }
+    DeltaStats {
+        base_digest: delta.header.base_digest,
+        target_digest: delta.header.target_digest,
+        base_version: delta.header.base_version,
+        target_version: delta.header.target_version,
+        total_words: per_tensor.iter().map(|t| t.words).sum(),
+        total_bytes: layout.total_bytes(),
+        changed: per_tensor.iter().map(|t| t.changed).sum(),
+        chunks: delta.chunks.len() as u32,
+        delta_bytes,
+        per_tensor,
+        encodings,
+    }
+}
+
+/// Bit-exact comparison of two checkpoints: the names of differing tensors
+/// (layout differences are reported as errors).
+pub fn compare(layout_a: &Layout, a: &[&[u8]], layout_b: &Layout, b: &[&[u8]]) -> Result<Vec<String>> {
+    layout_a.ensure_same(layout_b, "second checkpoint")?;
+    let (da, db) = rayon::join(|| tensor_digests(a), || tensor_digests(b));
+    Ok(layout_a
+        .tensors()
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| da[*i] != db[*i] || a[*i] != b[*i])
+        .map(|(_, t)| t.name.clone())
+        .collect())
+}
+
+pub fn digest_string(d: &Digest) -> String {
+    digest_hex(d)
+}

@@ -1,0 +1,362 @@
+//! The delta wire and file format (see docs/format.md).
+//!
+//! ```text
+//! delta   := preamble frame(Header) frame(Chunk)* frame(Trailer)
+//! preamble:= "DCRDELTA" version:u16le
+//! frame   := tag:u8 body_len:u32le body crc32c(tag || body_len || body):u32le
+//! ```
+//! Parsing is check-then-parse: `parse_frame` returns `Ok(None)` while the
+//! buffer holds less than a whole frame, refuses a body length above
+//! `MAX_FRAME_BODY` before reading it, and verifies the checksum before any
+//! field is interpreted.
+
+use crate::checkpoint::{Digest, Layout, TensorSpec};
+use crate::codec::{ChangeKind, Encoding, Mode};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+pub const MAGIC: &[u8; 8] = b"DCRDELTA";
+pub const FORMAT_VERSION: u16 = 1;
+pub const PREAMBLE_LEN: usize = 10;
+/// Largest frame body accepted (a chunk's payload is bounded by its input
+/// range, at most `MAX_CHUNK_BYTES`, plus stream headers).
+pub const MAX_FRAME_BODY: usize = 64 << 20;
+/// Largest chunk input range.
+pub const MAX_CHUNK_BYTES: u32 = 32 << 20;
+pub const MAX_TENSORS: u32 = 4_000_000;
+const MAX_NAME: usize = 4096;
+const MAX_DIMS: usize = 16;
+
+const TAG_HEADER: u8 = b'H';
+const TAG_CHUNK: u8 = b'C';
+const TAG_TRAILER: u8 = b'T';
+const FRAME_OVERHEAD: usize = 1 + 4 + 4;
+pub const CHUNK_FIXED: usize = 8 + 4 + 4 + 8 + 4 + 4 + 4 + 4;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeltaHeader {
+    /// Identity of this delta: a hash over its base, target and parameters.
+    pub delta_id: Digest,
+    pub base_digest: Digest,
+    pub target_digest: Digest,
+    pub base_version: u64,
+    pub target_version: u64,
+    /// Chunk grid: chunk c of a tensor covers words [c*k, (c+1)*k) with
+    /// k = max(1, chunk_bytes / word_bytes).
+    pub chunk_bytes: u32,
+    pub layout: Layout,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChunkFrame {
+    pub delta_tag: u64,
+    pub seq: u32,
+    pub tensor: u32,
+    pub start: u64,
+    pub len: u32,
+    pub kind: ChangeKind,
+    pub encoding: Encoding,
+    pub mode: Mode,
+    pub n_changed: u32,
+    pub payload: Vec<u8>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Trailer {
+    pub delta_tag: u64,
+    pub n_chunks: u32,
+    pub n_changed: u64,
+    pub tensor_digests: Vec<Digest>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Frame {
+    Header(DeltaHeader),
+    Chunk(ChunkFrame),
+    Trailer(Trailer),
+}
+
+impl DeltaHeader {
+    /// The first 8 bytes of `delta_id`, carried by every chunk and the trailer
+    /// so frames spliced from another delta are refused.
+    pub fn tag(&self) -> u64 {
+        u64::from_le_bytes(self.delta_id[..8].try_into().expect("8 bytes"))
+    }
+
+    pub fn chunk_words(&self, spec: &TensorSpec) -> u64 {
+        chunk_words(self.chunk_bytes, spec.dtype)
+    }
+
+    pub fn compute_id(
+        base: &Digest,
+        target: &Digest,
+        base_version: u64,
+        target_version: u64,
+        chunk_bytes: u32,
+        extra: &[u8],
+    ) -> Digest {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        h.update(b"dcr-delta-v1");
+        h.update(base);
+        h.update(target);
+        h.update(&base_version.to_le_bytes());
+        h.update(&target_version.to_le_bytes());
+        h.update(&chunk_bytes.to_le_bytes());
+        h.update(extra);
+        h.digest128().to_le_bytes()
+    }
+}
+
+pub fn chunk_words(chunk_bytes: u32, dtype: DType) -> u64 {
+    (u64::from(chunk_bytes) / dtype.word_bytes() as u64).max(1)
+}
+
+// ---------------------------------------------------------------- writing
+
+pub fn preamble() -> [u8; PREAMBLE_LEN] {
+    let mut p = [0u8; PREAMBLE_LEN];
+    p[..8].copy_from_slice(MAGIC);
+    p[8..].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    p
+}
+
+fn frame(tag: u8, body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(body.len() + FRAME_OVERHEAD);
+    out.push(tag);
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(body);
+    let crc = crc32c::crc32c(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out
+}
+
+impl DeltaHeader {
+    pub fn to_frame(&self) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(&self.delta_id);
+        b.extend_from_slice(&self.base_digest);
+        b.extend_from_slice(&self.target_digest);
+        b.extend_from_slice(&self.base_version.to_le_bytes());
+        b.extend_from_slice(&self.target_version.to_le_bytes());
+        b.extend_from_slice(&self.chunk_bytes.to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes()); // flags, reserved
+        b.extend_from_slice(&(self.layout.len() as u32).to_le_bytes());
+        for t in self.layout.tensors() {
+            b.extend_from_slice(&(t.name.len() as u16).to_le_bytes());
+            b.extend_from_slice(t.name.as_bytes());
+            b.push(t.dtype.code());
+            b.push(t.shape.len() as u8);
+            for d in &t.shape {
+                b.extend_from_slice(&d.to_le_bytes());
+            }
+        }
+        frame(TAG_HEADER, &b)
+    }
+}
+
+impl ChunkFrame {
+    pub fn to_frame(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(CHUNK_FIXED + self.payload.len());
+        b.extend_from_slice(&self.delta_tag.to_le_bytes());
+        b.extend_from_slice(&self.seq.to_le_bytes());
+        b.extend_from_slice(&self.tensor.to_le_bytes());
+        b.extend_from_slice(&self.start.to_le_bytes());
+        b.extend_from_slice(&self.len.to_le_bytes());
+        b.extend_from_slice(&[self.kind as u8, self.encoding as u8, self.mode as u8, 0]);
+        b.extend_from_slice(&self.n_changed.to_le_bytes());
+        b.extend_from_slice(&(self.payload.len() as u32).to_le_bytes());
+        b.extend_from_slice(&self.payload);
+        frame(TAG_CHUNK, &b)
+    }
+}
+
+impl Trailer {
+    pub fn to_frame(&self) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(&self.delta_tag.to_le_bytes());
+        b.extend_from_slice(&self.n_chunks.to_le_bytes());
+        b.extend_from_slice(&self.n_changed.to_le_bytes());
+        b.extend_from_slice(&(self.tensor_digests.len() as u32).to_le_bytes());
+        for d in &self.tensor_digests {
+            b.extend_from_slice(d);
+        }
+        frame(TAG_TRAILER, &b)
+    }
+}
+
+// ---------------------------------------------------------------- parsing
+
+/// Bounded little-endian reader over a frame body.
+struct Cursor<'a> {
+    buf: &'a [u8],
+    pos: usize,
+    context: &'static str,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or_else(|| {
+            Error::truncated(self.context, n as u64, (self.buf.len() - self.pos) as u64)
+        })?;
+        let s = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+    fn u8(&mut self) -> Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16> {
+        Ok(u16::from_le_bytes(self.take(2)?.try_into().expect("2")))
+    }
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4")))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8")))
+    }
+    fn digest(&mut self) -> Result<Digest> {
+        Ok(self.take(16)?.try_into().expect("16"))
+    }
+    fn done(&self) -> Result<()> {
+        if self.pos == self.buf.len() {
+            Ok(())
+        } else {
+            Err(Error::corrupt(self.context, format!("{} unexpected trailing bytes", self.buf.len() - self.pos)))
+        }
+    }
+}
+
+/// Check the preamble. `Ok(None)` when fewer than `PREAMBLE_LEN` bytes are
+/// available.
+pub fn parse_preamble(buf: &[u8]) -> Result<Option<usize>> {
+    let have = buf.len().min(8);
+    if buf[..have] != MAGIC[..have] {
+        return Err(Error::BadMagic {
+            expected: String::from_utf8_lossy(MAGIC).into(),
+            found: String::from_utf8_lossy(&buf[..have]).escape_debug().to_string(),
+        });
+    }
+    if buf.len() < PREAMBLE_LEN {
+        return Ok(None);
+    }
+    let version = u16::from_le_bytes([buf[8], buf[9]]);
+    if version != FORMAT_VERSION {
+        return Err(Error::UnsupportedVersion { found: version, supported: FORMAT_VERSION });
+    }
+    Ok(Some(PREAMBLE_LEN))
+}
+
+/// Parse one frame from the front of `buf`. `Ok(None)` means incomplete:
+/// read more bytes and call again.
+pub fn parse_frame(buf: &[u8]) -> Result<Option<(Frame, usize)>> {
+    if buf.len() < 5 {
+        return Ok(None);
+    }
+    let tag = buf[0];
+    if ![TAG_HEADER, TAG_CHUNK, TAG_TRAILER].contains(&tag) {
+        return Err(Error::UnknownCode { what: "frame tag", code: tag, context: "delta stream".into() });
+    }
+    let body_len = u32::from_le_bytes(buf[1..5].try_into().expect("4")) as usize;
+    if body_len > MAX_FRAME_BODY {
+        return Err(Error::TooLarge { context: "frame body".into(), len: body_len as u64, max: MAX_FRAME_BODY as u64 });
+    }
+    let total = FRAME_OVERHEAD + body_len;
+    if buf.len() < total {
+        return Ok(None);
+    }
+    let stored = u32::from_le_bytes(buf[5 + body_len..total].try_into().expect("4"));
+    let computed = crc32c::crc32c(&buf[..5 + body_len]);
+    let body = &buf[5..5 + body_len];
+    if stored != computed {
+        let context = match tag {
+            TAG_CHUNK if body.len() >= 12 => {
+                format!("chunk frame (seq {} if intact)", u32::from_le_bytes(body[8..12].try_into().expect("4")))
+            }
+            TAG_CHUNK => "chunk frame".into(),
+            TAG_HEADER => "header frame".into(),
+            _ => "trailer frame".into(),
+        };
+        return Err(Error::Checksum { context, expected: stored, found: computed });
+    }
+    let frame = match tag {
+        TAG_HEADER => Frame::Header(parse_header(body)?),
+        TAG_CHUNK => Frame::Chunk(parse_chunk(body)?),
+        _ => Frame::Trailer(parse_trailer(body)?),
+    };
+    Ok(Some((frame, total)))
+}
+
+fn parse_header(body: &[u8]) -> Result<DeltaHeader> {
+    let mut c = Cursor { buf: body, pos: 0, context: "header frame" };
+    let delta_id = c.digest()?;
+    let base_digest = c.digest()?;
+    let target_digest = c.digest()?;
+    let base_version = c.u64()?;
+    let target_version = c.u64()?;
+    let chunk_bytes = c.u32()?;
+    if chunk_bytes == 0 || chunk_bytes > MAX_CHUNK_BYTES {
+        return Err(Error::TooLarge { context: "chunk size".into(), len: chunk_bytes.into(), max: MAX_CHUNK_BYTES.into() });
+    }
+    let _flags = c.u32()?;
+    let n = c.u32()?;
+    if n > MAX_TENSORS {
+        return Err(Error::TooLarge { context: "tensor count".into(), len: n.into(), max: MAX_TENSORS.into() });
+    }
+    let mut tensors = Vec::with_capacity((n as usize).min(body.len() / 4));
+    for _ in 0..n {
+        let name_len = c.u16()? as usize;
+        if name_len > MAX_NAME {
+            return Err(Error::TooLarge { context: "tensor name".into(), len: name_len as u64, max: MAX_NAME as u64 });
+        }
+        let name = std::str::from_utf8(c.take(name_len)?)
+            .map_err(|_| Error::corrupt("header frame", "tensor name is not UTF-8"))?
+            .to_string();
+        let dtype = DType::from_code(c.u8()?)?;
+        let ndim = c.u8()? as usize;
+        if ndim > MAX_DIMS {
+            return Err(Error::TooLarge { context: format!("rank of tensor {name}"), len: ndim as u64, max: MAX_DIMS as u64 });
+        }
+        let shape = (0..ndim).map(|_| c.u64()).collect::<Result<Vec<_>>>()?;
+        tensors.push(TensorSpec { name, dtype, shape });
+    }
+    c.done()?;
+    let sorted = tensors.windows(2).all(|w| w[0].name < w[1].name);
+    let layout = Layout::new(tensors)?;
+    if !sorted {
+        return Err(Error::corrupt("header frame", "tensor table is not in canonical (sorted, unique) order"));
+    }
+    Ok(DeltaHeader { delta_id, base_digest, target_digest, base_version, target_version, chunk_bytes, layout })
+}
+
+fn parse_chunk(body: &[u8]) -> Result<ChunkFrame> {
+    let mut c = Cursor { buf: body, pos: 0, context: "chunk frame" };
+    let delta_tag = c.u64()?;
+    let seq = c.u32()?;
+    let tensor = c.u32()?;
+    let start = c.u64()?;
+    let len = c.u32()?;
+    let ctx = format!("chunk {seq}");
+    let kind = ChangeKind::from_code(c.u8()?, &ctx)?;
+    let encoding = Encoding::from_code(c.u8()?, &ctx)?;
+    let mode = Mode::from_code(c.u8()?, &ctx)?;
+    let _reserved = c.u8()?;
+    let n_changed = c.u32()?;
+    let payload_len = c.u32()? as usize;
+    let payload = c.take(payload_len)?.to_vec();
+    c.done()?;
+    Ok(ChunkFrame { delta_tag, seq, tensor, start, len, kind, encoding, mode, n_changed, payload })
+}
+
+fn parse_trailer(body: &[u8]) -> Result<Trailer> {
+    let mut c = Cursor { buf: body, pos: 0, context: "trailer frame" };
+    let delta_tag = c.u64()?;
+    let n_chunks = c.u32()?;
+    let n_changed = c.u64()?;
+    let n = c.u32()?;
+    if n > MAX_TENSORS || (n as usize).saturating_mul(16) > body.len() {
+        return Err(Error::corrupt("trailer frame", format!("claims {n} tensor digests in {} bytes", body.len())));
+    }
+    let tensor_digests = (0..n).map(|_| c.digest()).collect::<Result<Vec<_>>>()?;
+    c.done()?;
+    Ok(Trailer { delta_tag, n_chunks, n_changed, tensor_digests })
+}

@@ -1,0 +1,158 @@
+use dcr_core::checkpoint::{Layout, TensorSpec};
+use dcr_core::codec::ChangeKind;
+use dcr_core::delta::{apply, diff, read_delta, ApplyOutcome, DiffOptions};
+use dcr_core::dtype::DType;
+use dcr_core::Error;
+use proptest::prelude::*;
+
+#[derive(Debug)]
+struct Pair {
+    layout: Layout,
+    old: Vec<Vec<u8>>,
+    new: Vec<Vec<u8>>,
+}
+
+fn pair() -> impl Strategy<Value = Pair> {
+    let tensor = (prop::sample::select(DType::all().collect::<Vec<_>>()), prop::collection::vec(1u64..40, 0..3), 0.0f64..0.3);
+    (prop::collection::vec(tensor, 1..6), any::<u64>()).prop_map(|(ts, seed)| {
+        let mut rng = seed | 1;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let specs: Vec<TensorSpec> = ts
+            .iter()
+            .enumerate()
+            .map(|(i, (d, shape, _))| TensorSpec { name: format!("t{i}"), dtype: *d, shape: shape.clone() })
+            .collect();
+        let mut old = Vec::new();
+        let mut new = Vec::new();
+        for (spec, (_, _, density)) in specs.iter().zip(&ts) {
+            let n = spec.storage_bytes().unwrap() as usize;
+            let o: Vec<u8> = (0..n).map(|_| next() as u8).collect();
+            let mut w = o.clone();
+            for b in w.iter_mut() {
+                if (next() % 1000) as f64 / 1000.0 < *density {
+                    *b ^= (next() as u8) | 1;
+                }
+            }
+            old.push(o);
+            new.push(w);
+        }
+        Pair { layout: Layout::new(specs).unwrap(), old, new }
+    })
+}
+
+fn encode(p: &Pair, opts: &DiffOptions) -> Vec<u8> {
+    let mut out = Vec::new();
+    let old: Vec<&[u8]> = p.old.iter().map(|v| v.as_slice()).collect();
+    let new: Vec<&[u8]> = p.new.iter().map(|v| v.as_slice()).collect();
+    diff(&p.layout, &old, &new, opts, &mut |b| { out.extend_from_slice(b); Ok(()) }, &mut |_, _| {}).unwrap();
+    out
+}
+
+fn apply_to(bytes: &[u8], layout: &Layout, target: &mut [Vec<u8>]) -> dcr_core::Result<ApplyOutcome> {
+    let delta = read_delta(bytes)?;
+    let mut views: Vec<&mut [u8]> = target.iter_mut().map(|v| v.as_mut_slice()).collect();
+    apply(&delta, layout, &mut views)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn apply_of_diff_reproduces_new(p in pair(), chunk in prop::sample::select(vec![1u32, 7, 64, 4096]), overwrite in any::<bool>()) {
+        let kind = if overwrite { ChangeKind::Overwrite } else { ChangeKind::Xor };
+        let bytes = encode(&p, &DiffOptions { chunk_bytes: chunk, kind, ..Default::default() });
+        let mut target = p.old.clone();
+        let out = apply_to(&bytes, &p.layout, &mut target).unwrap();
+        prop_assert_eq!(&target, &p.new);
+        if p.old == p.new {
+            prop_assert_eq!(out, ApplyOutcome::AlreadyAtTarget);
+        }
+        // A second apply is a no-op.
+        prop_assert_eq!(apply_to(&bytes, &p.layout, &mut target).unwrap(), ApplyOutcome::AlreadyAtTarget);
+        prop_assert_eq!(&target, &p.new);
+    }
+
+    #[test]
+    fn mutated_or_truncated_delta_never_applies_wrong_bits(p in pair(), pos in any::<usize>(), x in 1u8..=255, cut in any::<usize>()) {
+        let bytes = encode(&p, &DiffOptions { chunk_bytes: 64, ..Default::default() });
+        let mut bad = bytes.clone();
+        let i = pos % bad.len();
+        bad[i] ^= x;
+        let mut target = p.old.clone();
+        match apply_to(&bad, &p.layout, &mut target) {
+            Ok(_) => prop_assert_eq!(&target, &p.new),
+            Err(_) => prop_assert_eq!(&target, &p.old),
+        }
+        let short = &bytes[..cut % bytes.len()];
+        let mut target = p.old.clone();
+        prop_assert!(apply_to(short, &p.layout, &mut target).is_err());
+        prop_assert_eq!(&target, &p.old);
+    }
+}
+
+#[test]
+fn wrong_base_is_refused_before_any_write() {
+    let specs = vec![TensorSpec { name: "w".into(), dtype: DType::from_name("BF16").unwrap(), shape: vec![64] }];
+    let layout = Layout::new(specs).unwrap();
+    let old = vec![vec![1u8; 128]];
+    let mut new = old.clone();
+    new[0][10] = 7;
+    let p = Pair { layout: layout.clone(), old: old.clone(), new };
+    let bytes = encode(&p, &DiffOptions::default());
+    let mut other = vec![vec![2u8; 128]];
+    let err = apply_to(&bytes, &layout, &mut other).unwrap_err();
+    assert!(matches!(err, Error::BaseMismatch { .. }), "{err}");
+    assert!(err.to_string().contains("dense refit"), "{err}");
+    assert_eq!(other, vec![vec![2u8; 128]]);
+}
+
+#[test]
+fn chunk_spliced_from_another_delta_is_refused() {
+    let specs = vec![TensorSpec { name: "w".into(), dtype: DType::from_name("F32").unwrap(), shape: vec![256] }];
+    let layout = Layout::new(specs).unwrap();
+    let old = vec![vec![0u8; 1024]];
+    let mut a = old.clone();
+    a[0][0] = 1;
+    let mut b = old.clone();
+    b[0][0] = 2;
+    let da = encode(&Pair { layout: layout.clone(), old: old.clone(), new: a }, &DiffOptions::default());
+    let db = encode(&Pair { layout: layout.clone(), old: old.clone(), new: b }, &DiffOptions::default());
+    // Same structure, so the chunk frames sit at the same offsets: splice b's chunk into a.
+    let ha = dcr_core::format::PREAMBLE_LEN + header_len(&da);
+    let ca = frame_len(&da[ha..]);
+    let cb = frame_len(&db[ha..]);
+    let mut spliced = da[..ha].to_vec();
+    spliced.extend_from_slice(&db[ha..ha + cb]);
+    spliced.extend_from_slice(&da[ha + ca..]);
+    let err = read_delta(&spliced).unwrap_err();
+    assert!(matches!(err, Error::ForeignChunk { .. }), "{err}");
+}
+
+fn frame_len(b: &[u8]) -> usize {
+    9 + u32::from_le_bytes(b[1..5].try_into().unwrap()) as usize
+}
+fn header_len(b: &[u8]) -> usize {
+    frame_len(&b[dcr_core::format::PREAMBLE_LEN..])
+}
+
+#[test]
+fn oversized_frame_length_is_refused_without_allocating() {
+    let mut bytes = dcr_core::format::preamble().to_vec();
+    bytes.push(b'H');
+    bytes.extend_from_slice(&u32::MAX.to_le_bytes());
+    let err = read_delta(&bytes).unwrap_err();
+    assert!(matches!(err, Error::TooLarge { .. }), "{err}");
+}
+
+#[test]
+fn unknown_version_is_named() {
+    let mut bytes = dcr_core::format::preamble().to_vec();
+    bytes[8] = 9;
+    let err = read_delta(&bytes).unwrap_err();
+    assert!(err.to_string().contains("version 9"), "{err}");
+}
