@@ -1,1 +1,129 @@
-"""dcr: bit-exact delta-compressed refit."""
+"""dcr: bit-exact delta-compressed refit for RL weight sync.
+
+Send only the stored bits that changed between two policy versions, and give
+receivers exactly the bits a dense refit would.
+
+File level::
+
+    stats = dcr.diff_files("step_010.safetensors", "step_011.safetensors", "10-11.dcr")
+    dcr.apply_file("10-11.dcr", "replica.safetensors")      # in place
+
+Tensor level (numpy arrays or CPU torch tensors, bf16 included, zero copy)::
+
+    delta, stats = dcr.diff_tensors(old_state_dict, new_state_dict)
+    dcr.apply_tensors(delta, live_state_dict)                # in place
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from dcr import _buffers
+from dcr._core import (
+    DEFAULT_CHUNK_BYTES,
+    FORMAT_VERSION,
+    BaseMismatchError,
+    CheckpointError,
+    CorruptDeltaError,
+    DcrError,
+    IncompleteDeltaError,
+    LayoutMismatchError,
+    UnsupportedFormatError,
+    VerificationError,
+    __version__,
+    apply_file,
+    compare_files,
+    diff_files,
+    file_digest,
+    inspect_file,
+)
+from dcr import _core
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "FORMAT_VERSION",
+    "BaseMismatchError",
+    "CheckpointError",
+    "CorruptDeltaError",
+    "DcrError",
+    "IncompleteDeltaError",
+    "LayoutMismatchError",
+    "UnsupportedFormatError",
+    "VerificationError",
+    "__version__",
+    "apply_file",
+    "apply_tensors",
+    "compare_files",
+    "diff_files",
+    "diff_tensors",
+    "digest_tensors",
+    "file_digest",
+    "inspect_file",
+]
+
+
+def diff_tensors(
+    old: Mapping[str, Any],
+    new: Mapping[str, Any],
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    kind: str = "xor",
+    zstd_level: int = 1,
+    base_version: int = 0,
+    target_version: int = 1,
+    threads: int | None = None,
+) -> tuple[bytes, dict[str, Any]]:
+    """Delta from ``old`` to ``new`` (same names, dtypes and shapes).
+
+    Returns the delta bytes and its statistics. The GIL is released while the
+    core works; the tensors are read in place.
+    """
+    if set(old) != set(new):
+        missing = sorted(set(old) ^ set(new))[:5]
+        raise LayoutMismatchError(f"old and new hold different tensor names (e.g. {missing}); pass matching state dicts")
+    olds = _buffers.spans_of(old)
+    news = _buffers.spans_of({k: new[k] for k in old})
+    names, dtypes, shapes, old_spans = _buffers.layout_args(olds)
+    _, new_dtypes, new_shapes, new_spans = _buffers.layout_args(news)
+    for n, a, b, sa, sb in zip(names, dtypes, new_dtypes, shapes, new_shapes):
+        if a != b or sa != sb:
+            raise LayoutMismatchError(f"tensor {n!r}: old is {a}{sa}, new is {b}{sb}; shapes and dtypes must match")
+    delta, stats = _core.diff_buffers(
+        names,
+        dtypes,
+        shapes,
+        old_spans,
+        new_spans,
+        chunk_bytes=chunk_bytes,
+        kind=kind,
+        zstd_level=zstd_level,
+        base_version=base_version,
+        target_version=target_version,
+        threads=threads,
+    )
+    del olds, news  # owners stay referenced until here
+    return delta, stats
+
+
+def apply_tensors(delta: bytes, tensors: Mapping[str, Any], *, threads: int | None = None) -> dict[str, Any]:
+    """Apply ``delta`` in place to ``tensors`` (writable, contiguous).
+
+    Refused before any byte changes when the tensors are not the delta's base;
+    verified against the delta's target digests afterwards (and rolled back on
+    a mismatch).
+    """
+    spans = _buffers.spans_of(tensors, writable=True)
+    names, dtypes, shapes, ptrs = _buffers.layout_args(spans)
+    result = _core.apply_buffers(bytes(delta), names, dtypes, shapes, ptrs, threads=threads)
+    del spans
+    return result
+
+
+def digest_tensors(tensors: Mapping[str, Any]) -> str:
+    """Checkpoint digest (hex) of a state dict: equal digests mean equal bits."""
+    spans = _buffers.spans_of(tensors)
+    names, dtypes, shapes, ptrs = _buffers.layout_args(spans)
+    digest = _core.digest_buffers(names, dtypes, shapes, ptrs)
+    del spans
+    return digest

@@ -445,14 +445,8 @@ pub fn summarize(delta: &Delta, delta_bytes: u64) -> DeltaStats {
 /// (layout differences are reported as errors).
 pub fn compare(layout_a: &Layout, a: &[&[u8]], layout_b: &Layout, b: &[&[u8]]) -> Result<Vec<String>> {
     layout_a.ensure_same(layout_b, "second checkpoint")?;
-    let (da, db) = rayon::join(|| tensor_digests(a), || tensor_digests(b));
-    Ok(layout_a
-        .tensors()
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| da[*i] != db[*i] || a[*i] != b[*i])
-        .map(|(_, t)| t.name.clone())
-        .collect())
+    let differs: Vec<bool> = a.par_iter().zip(b.par_iter()).map(|(x, y)| x != y).collect();
+    Ok(layout_a.tensors().iter().zip(differs).filter(|(_, d)| *d).map(|(t, _)| t.name.clone()).collect())
 }
 
 pub fn digest_string(d: &Digest) -> String {

@@ -25,6 +25,8 @@ pub const MAX_FRAME_BODY: usize = 64 << 20;
 pub const MAX_CHUNK_BYTES: u32 = 32 << 20;
 pub const MAX_TENSORS: u32 = 4_000_000;
 const MAX_NAME: usize = 4096;
+/// Largest decoded tensor table (about 1M tensors with long names).
+const MAX_TABLE: usize = 256 << 20;
 const MAX_DIMS: usize = 16;
 
 const TAG_HEADER: u8 = b'H';
@@ -139,17 +141,19 @@ impl DeltaHeader {
         b.extend_from_slice(&self.base_version.to_le_bytes());
         b.extend_from_slice(&self.target_version.to_le_bytes());
         b.extend_from_slice(&self.chunk_bytes.to_le_bytes());
-        b.extend_from_slice(&0u32.to_le_bytes()); // flags, reserved
         b.extend_from_slice(&(self.layout.len() as u32).to_le_bytes());
+        let mut table = Vec::new();
         for t in self.layout.tensors() {
-            b.extend_from_slice(&(t.name.len() as u16).to_le_bytes());
-            b.extend_from_slice(t.name.as_bytes());
-            b.push(t.dtype.code());
-            b.push(t.shape.len() as u8);
+            table.extend_from_slice(&(t.name.len() as u16).to_le_bytes());
+            table.extend_from_slice(t.name.as_bytes());
+            table.push(t.dtype.code());
+            table.push(t.shape.len() as u8);
             for d in &t.shape {
-                b.extend_from_slice(&d.to_le_bytes());
+                table.extend_from_slice(&d.to_le_bytes());
             }
         }
+        // The tensor table (names repeat heavily) is one stream, zstd when smaller.
+        crate::codec::streams::put_stream(&mut b, &table, 9);
         frame(TAG_HEADER, &b)
     }
 }
@@ -297,12 +301,17 @@ fn parse_header(body: &[u8]) -> Result<DeltaHeader> {
     if chunk_bytes == 0 || chunk_bytes > MAX_CHUNK_BYTES {
         return Err(Error::TooLarge { context: "chunk size".into(), len: chunk_bytes.into(), max: MAX_CHUNK_BYTES.into() });
     }
-    let _flags = c.u32()?;
     let n = c.u32()?;
     if n > MAX_TENSORS {
         return Err(Error::TooLarge { context: "tensor count".into(), len: n.into(), max: MAX_TENSORS.into() });
     }
-    let mut tensors = Vec::with_capacity((n as usize).min(body.len() / 4));
+    // Each entry takes at least 4 bytes and at most 4 + MAX_NAME + 8 * MAX_DIMS.
+    let max_table = ((n as usize) * (4 + MAX_NAME + 8 * MAX_DIMS)).min(MAX_TABLE);
+    let mut streams = crate::codec::streams::StreamReader::new(&body[c.pos..], "header frame");
+    let table = streams.next("tensor table", 4 * n as usize, max_table)?;
+    streams.finish()?;
+    let mut c = Cursor { buf: &table, pos: 0, context: "tensor table" };
+    let mut tensors = Vec::with_capacity(n as usize);
     for _ in 0..n {
         let name_len = c.u16()? as usize;
         if name_len > MAX_NAME {

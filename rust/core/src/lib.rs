@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod codec;
 pub mod delta;
 pub mod dtype;
+pub mod files;
 pub mod error;
 pub mod format;
 

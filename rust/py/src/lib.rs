@@ -1,1 +1,391 @@
+//! Thin Python bindings of dcr-core (module `dcr._core`). Every long call
+//! releases the GIL; buffers are borrowed zero-copy through the buffer
+//! protocol.
+#![deny(unsafe_code)]
 
+mod errors;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Mutex, OnceLock};
+
+use dcr_core::checkpoint::{digest_hex, Layout, TensorSpec};
+use dcr_core::codec::{self, ChangeKind, Mode, SparseChanges};
+use dcr_core::delta::{self, ApplyOutcome, DeltaStats, DiffOptions};
+use dcr_core::dtype::DType;
+use dcr_core::files;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+use errors::to_py;
+
+/// Rayon pools by thread count, built once.
+fn pool(threads: Option<usize>) -> PyResult<std::sync::Arc<rayon::ThreadPool>> {
+    static POOLS: OnceLock<Mutex<HashMap<usize, std::sync::Arc<rayon::ThreadPool>>>> = OnceLock::new();
+    let n = threads.unwrap_or(0);
+    let mut pools = POOLS.get_or_init(Default::default).lock().expect("pool registry");
+    if let Some(p) = pools.get(&n) {
+        return Ok(p.clone());
+    }
+    let p = rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .thread_name(|i| format!("dcr-{i}"))
+        .build()
+        .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(format!("cannot start {n} worker threads: {e}")))?;
+    let p = std::sync::Arc::new(p);
+    pools.insert(n, p.clone());
+    Ok(p)
+}
+
+fn parse_kind(kind: &str) -> PyResult<ChangeKind> {
+    match kind {
+        "xor" => Ok(ChangeKind::Xor),
+        "overwrite" => Ok(ChangeKind::Overwrite),
+        other => Err(pyo3::exceptions::PyValueError::new_err(format!("kind must be 'xor' or 'overwrite', got {other:?}"))),
+    }
+}
+
+fn parse_mode(mode: &str) -> PyResult<Mode> {
+    match mode {
+        "free" => Ok(Mode::Free),
+        "context" => Ok(Mode::Context),
+        other => Err(pyo3::exceptions::PyValueError::new_err(format!("mode must be 'free' or 'context', got {other:?}"))),
+    }
+}
+
+/// Progress callback called at most every few percent, with the GIL taken
+/// only for the call.
+fn progress_fn(cb: Option<Py<PyAny>>) -> impl FnMut(u64, u64) {
+    let mut last = 0u64;
+    move |done, total| {
+        if let Some(cb) = &cb {
+            if done == total || done.saturating_sub(last) >= total / 100 {
+                last = done;
+                Python::attach(|py| {
+                    if let Err(e) = cb.call1(py, (done, total)) {
+                        e.print(py);
+                    }
+                });
+            }
+        }
+    }
+}
+
+fn stats_dict<'py>(py: Python<'py>, s: &DeltaStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("base_digest", digest_hex(&s.base_digest))?;
+    d.set_item("target_digest", digest_hex(&s.target_digest))?;
+    d.set_item("base_version", s.base_version)?;
+    d.set_item("target_version", s.target_version)?;
+    d.set_item("total_elements", s.total_words)?;
+    d.set_item("checkpoint_bytes", s.total_bytes)?;
+    d.set_item("changed_elements", s.changed)?;
+    d.set_item("chunks", s.chunks)?;
+    d.set_item("payload_bytes", s.delta_bytes)?;
+    d.set_item("bytes_per_changed", if s.changed > 0 { s.delta_bytes as f64 / s.changed as f64 } else { 0.0 })?;
+    d.set_item("change_rate", if s.total_words > 0 { s.changed as f64 / s.total_words as f64 } else { 0.0 })?;
+    let enc = PyDict::new(py);
+    for (i, name) in ["sparse", "bitmap", "dense", "raw"].iter().enumerate() {
+        enc.set_item(name, s.encodings[i])?;
+    }
+    d.set_item("encodings", enc)?;
+    let per = PyList::empty(py);
+    for t in &s.per_tensor {
+        let td = PyDict::new(py);
+        td.set_item("name", &t.name)?;
+        td.set_item("elements", t.words)?;
+        td.set_item("changed_elements", t.changed)?;
+        td.set_item("chunks", t.chunks)?;
+        td.set_item("payload_bytes", t.payload_bytes)?;
+        per.append(td)?;
+    }
+    d.set_item("tensors", per)?;
+    Ok(d)
+}
+
+fn outcome_dict<'py>(py: Python<'py>, o: &ApplyOutcome) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    match o {
+        ApplyOutcome::Applied { chunks, changed } => {
+            d.set_item("outcome", "applied")?;
+            d.set_item("chunks", chunks)?;
+            d.set_item("changed_elements", changed)?;
+        }
+        ApplyOutcome::AlreadyAtTarget => {
+            d.set_item("outcome", "already_at_target")?;
+            d.set_item("chunks", 0)?;
+            d.set_item("changed_elements", 0)?;
+        }
+    }
+    Ok(d)
+}
+
+/// Diff two safetensors files into a delta file (written atomically).
+#[pyfunction]
+#[pyo3(signature = (old, new, out, *, chunk_bytes=delta::DEFAULT_CHUNK_BYTES, kind="xor", zstd_level=1, mode="free", base_version=0, target_version=1, threads=None, progress=None))]
+#[allow(clippy::too_many_arguments)]
+fn diff_files<'py>(
+    py: Python<'py>,
+    old: PathBuf,
+    new: PathBuf,
+    out: PathBuf,
+    chunk_bytes: u32,
+    kind: &str,
+    zstd_level: i32,
+    mode: &str,
+    base_version: u64,
+    target_version: u64,
+    threads: Option<usize>,
+    progress: Option<Py<PyAny>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let opts = DiffOptions { chunk_bytes, kind: parse_kind(kind)?, zstd_level, mode: parse_mode(mode)?, base_version, target_version };
+    let pool = pool(threads)?;
+    let mut cb = progress_fn(progress);
+    let stats = py.detach(|| pool.install(|| files::diff_files(&old, &new, &out, &opts, &mut cb))).map_err(to_py)?;
+    stats_dict(py, &stats)
+}
+
+/// Apply a delta file in place to a safetensors file.
+#[pyfunction]
+#[pyo3(signature = (delta, target, *, threads=None))]
+fn apply_file<'py>(py: Python<'py>, delta: PathBuf, target: PathBuf, threads: Option<usize>) -> PyResult<Bound<'py, PyDict>> {
+    let pool = pool(threads)?;
+    let outcome = py.detach(|| pool.install(|| files::apply_file(&delta, &target))).map_err(to_py)?;
+    outcome_dict(py, &outcome)
+}
+
+/// Names of the tensors whose stored bits differ between two safetensors files.
+#[pyfunction]
+fn compare_files(py: Python<'_>, a: PathBuf, b: PathBuf) -> PyResult<Vec<String>> {
+    py.detach(|| files::compare_files(&a, &b)).map_err(to_py)
+}
+
+/// Validate a delta file and summarise it.
+#[pyfunction]
+fn inspect_file<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> {
+    let (delta, stats) = py.detach(|| files::inspect_file(&path)).map_err(to_py)?;
+    let d = stats_dict(py, &stats)?;
+    d.set_item("delta_id", digest_hex(&delta.header.delta_id))?;
+    d.set_item("chunk_bytes", delta.header.chunk_bytes)?;
+    d.set_item("format_version", dcr_core::format::FORMAT_VERSION)?;
+    let kinds: Vec<&str> = delta.chunks.iter().map(|c| c.kind.name()).collect();
+    d.set_item("kind", kinds.first().copied().unwrap_or("xor"))?;
+    let modes: Vec<&str> = delta.chunks.iter().map(|c| c.mode.name()).collect();
+    d.set_item("mode", modes.first().copied().unwrap_or("free"))?;
+    Ok(d)
+}
+
+/// Checkpoint digest of a safetensors file (hex).
+#[pyfunction]
+fn file_digest(py: Python<'_>, path: PathBuf) -> PyResult<String> {
+    py.detach(|| {
+        let ck = dcr_core::checkpoint::ReadOnlyCheckpoint::open(&path)?;
+        Ok(digest_hex(&ck.checkpoint_digest()))
+    })
+    .map_err(to_py)
+}
+
+// ------------------------------------------------------------ buffers
+
+/// Raw memory spans handed over by the Python layer (`dcr._buffers`), which
+/// takes them from numpy arrays or torch tensors, checks contiguity and
+/// keeps the owners alive for the duration of the call. (The buffer protocol
+/// is not in the stable ABI before CPython 3.11, and this wheel serves 3.10.)
+type Span = (usize, usize);
+
+fn check_spans(spans: &[Span], writable: bool) -> PyResult<()> {
+    if spans.iter().any(|&(p, n)| n > 0 && p == 0) {
+        return Err(pyo3::exceptions::PyValueError::new_err("null data pointer for a non-empty tensor"));
+    }
+    if writable {
+        let mut s: Vec<Span> = spans.iter().copied().filter(|&(_, n)| n > 0).collect();
+        s.sort();
+        if s.windows(2).any(|w| w[0].0 + w[0].1 > w[1].0) {
+            return Err(pyo3::exceptions::PyValueError::new_err("two target tensors share memory; pass distinct tensors"));
+        }
+    }
+    Ok(())
+}
+
+fn slices<'a>(spans: &'a [Span]) -> Vec<&'a [u8]> {
+    spans
+        .iter()
+        .map(|&(p, n)| {
+            if n == 0 {
+                return &[][..];
+            }
+            // Safety: `dcr._buffers` passes the data pointer and byte length of
+            // a live, C-contiguous CPU array that it keeps referenced until
+            // this call returns; the slices never escape the call.
+            #[allow(unsafe_code)]
+            unsafe {
+                std::slice::from_raw_parts(p as *const u8, n)
+            }
+        })
+        .collect()
+}
+
+fn slices_mut<'a>(spans: &'a [Span]) -> Vec<&'a mut [u8]> {
+    spans
+        .iter()
+        .map(|&(p, n)| {
+            if n == 0 {
+                return &mut [][..];
+            }
+            // Safety: as in `slices`, plus the arrays are writable and were
+            // checked pairwise disjoint by `check_spans`.
+            #[allow(unsafe_code)]
+            unsafe {
+                std::slice::from_raw_parts_mut(p as *mut u8, n)
+            }
+        })
+        .collect()
+}
+
+fn layout_of(names: Vec<String>, dtypes: Vec<String>, shapes: Vec<Vec<u64>>) -> PyResult<(Layout, Vec<usize>)> {
+    if names.len() != dtypes.len() || names.len() != shapes.len() {
+        return Err(pyo3::exceptions::PyValueError::new_err("names, dtypes and shapes must have the same length"));
+    }
+    let specs = names
+        .into_iter()
+        .zip(dtypes)
+        .zip(shapes)
+        .map(|((name, dtype), shape)| Ok(TensorSpec { name, dtype: DType::from_name(&dtype).map_err(to_py)?, shape }))
+        .collect::<PyResult<Vec<_>>>()?;
+    let mut order: Vec<usize> = (0..specs.len()).collect();
+    order.sort_by(|&a, &b| specs[a].name.cmp(&specs[b].name));
+    let layout = Layout::new(specs).map_err(to_py)?;
+    Ok((layout, order))
+}
+
+/// Diff two lists of tensor buffers (uint8 views) into delta bytes.
+#[pyfunction]
+#[pyo3(signature = (names, dtypes, shapes, old, new, *, chunk_bytes=delta::DEFAULT_CHUNK_BYTES, kind="xor", zstd_level=1, base_version=0, target_version=1, threads=None))]
+#[allow(clippy::too_many_arguments)]
+fn diff_buffers<'py>(
+    py: Python<'py>,
+    names: Vec<String>,
+    dtypes: Vec<String>,
+    shapes: Vec<Vec<u64>>,
+    old: Vec<Span>,
+    new: Vec<Span>,
+    chunk_bytes: u32,
+    kind: &str,
+    zstd_level: i32,
+    base_version: u64,
+    target_version: u64,
+    threads: Option<usize>,
+) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyDict>)> {
+    let (layout, order) = layout_of(names, dtypes, shapes)?;
+    check_spans(&old, false)?;
+    check_spans(&new, false)?;
+    let opts = DiffOptions { chunk_bytes, kind: parse_kind(kind)?, zstd_level, mode: Mode::Free, base_version, target_version };
+    let pool = pool(threads)?;
+    let (o, n) = (slices(&old), slices(&new));
+    let o: Vec<&[u8]> = order.iter().map(|&i| o[i]).collect();
+    let n: Vec<&[u8]> = order.iter().map(|&i| n[i]).collect();
+    let (bytes, stats) = py
+        .detach(|| {
+            pool.install(|| {
+                let mut out = Vec::new();
+                let s = delta::diff(&layout, &o, &n, &opts, &mut |b| { out.extend_from_slice(b); Ok(()) }, &mut |_, _| {})?;
+                Ok((out, s))
+            })
+        })
+        .map_err(to_py)?;
+    Ok((PyBytes::new(py, &bytes), stats_dict(py, &stats)?))
+}
+
+/// Apply delta bytes in place to a list of writable tensor buffers.
+#[pyfunction]
+#[pyo3(signature = (delta, names, dtypes, shapes, targets, *, threads=None))]
+fn apply_buffers<'py>(
+    py: Python<'py>,
+    delta: &[u8],
+    names: Vec<String>,
+    dtypes: Vec<String>,
+    shapes: Vec<Vec<u64>>,
+    targets: Vec<Span>,
+    threads: Option<usize>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let (layout, order) = layout_of(names, dtypes, shapes)?;
+    check_spans(&targets, true)?;
+    let pool = pool(threads)?;
+    let d = delta;
+    let mut t = slices_mut(&targets);
+    let mut sorted: Vec<&mut [u8]> = Vec::with_capacity(t.len());
+    let mut slots: Vec<Option<&mut [u8]>> = t.drain(..).map(Some).collect();
+    for &i in &order {
+        sorted.push(slots[i].take().expect("each index once"));
+    }
+    let outcome = py
+        .detach(|| pool.install(|| delta::apply(&delta::read_delta(d)?, &layout, &mut sorted)))
+        .map_err(to_py)?;
+    outcome_dict(py, &outcome)
+}
+
+/// Checkpoint digest (hex) of a list of tensor buffers.
+#[pyfunction]
+fn digest_buffers(py: Python<'_>, names: Vec<String>, dtypes: Vec<String>, shapes: Vec<Vec<u64>>, bufs: Vec<Span>) -> PyResult<String> {
+    let (layout, order) = layout_of(names, dtypes, shapes)?;
+    check_spans(&bufs, false)?;
+    let s = slices(&bufs);
+    let s: Vec<&[u8]> = order.iter().map(|&i| s[i]).collect();
+    layout.check_buffers(s.iter().map(|b| b.len())).map_err(to_py)?;
+    Ok(py.detach(|| digest_hex(&layout.checkpoint_digest(&dcr_core::checkpoint::tensor_digests(&s)))))
+}
+
+/// The CPU reference of the GPU diff kernel: changed positions (uint32 LE
+/// bytes) and value words (uint64 LE bytes) of one chunk (memory spans).
+#[pyfunction]
+#[pyo3(signature = (old, new, width, kind="xor"))]
+fn find_changes<'py>(py: Python<'py>, old: Span, new: Span, width: usize, kind: &str) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+    let kind = parse_kind(kind)?;
+    check_spans(&[old, new], false)?;
+    let spans = [old, new];
+    let s = slices(&spans);
+    let ch = py.detach(|| codec::find_changes(s[0], s[1], width, kind)).map_err(to_py)?;
+    let pos: Vec<u8> = ch.positions.iter().flat_map(|p| p.to_le_bytes()).collect();
+    let val: Vec<u8> = ch.values.iter().flat_map(|p| p.to_le_bytes()).collect();
+    Ok((PyBytes::new(py, &pos), PyBytes::new(py, &val)))
+}
+
+/// The CPU reference of the GPU apply kernels: apply positions (uint32 LE)
+/// and value words (uint64 LE) in place.
+#[pyfunction]
+#[pyo3(signature = (target, width, positions, values, kind="xor"))]
+fn apply_changes(py: Python<'_>, target: Span, width: usize, positions: &[u8], values: &[u8], kind: &str) -> PyResult<()> {
+    let kind = parse_kind(kind)?;
+    check_spans(&[target], true)?;
+    let s = [positions, values];
+    if s[0].len() % 4 != 0 || s[1].len() % 8 != 0 || s[0].len() / 4 != s[1].len() / 8 {
+        return Err(pyo3::exceptions::PyValueError::new_err("positions must be uint32 and values uint64, of equal counts"));
+    }
+    let changes = SparseChanges {
+        positions: s[0].chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4"))).collect(),
+        values: s[1].chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8"))).collect(),
+    };
+    let spans = [target];
+    let mut t = slices_mut(&spans);
+    let target = &mut *t[0];
+    py.detach(|| codec::apply_changes(target, width, kind, &changes)).map_err(to_py)
+}
+
+#[pymodule(gil_used = false)]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("FORMAT_VERSION", dcr_core::format::FORMAT_VERSION)?;
+    m.add("DEFAULT_CHUNK_BYTES", delta::DEFAULT_CHUNK_BYTES)?;
+    errors::register(m)?;
+    m.add_function(wrap_pyfunction!(diff_files, m)?)?;
+    m.add_function(wrap_pyfunction!(apply_file, m)?)?;
+    m.add_function(wrap_pyfunction!(compare_files, m)?)?;
+    m.add_function(wrap_pyfunction!(inspect_file, m)?)?;
+    m.add_function(wrap_pyfunction!(file_digest, m)?)?;
+    m.add_function(wrap_pyfunction!(diff_buffers, m)?)?;
+    m.add_function(wrap_pyfunction!(apply_buffers, m)?)?;
+    m.add_function(wrap_pyfunction!(digest_buffers, m)?)?;
+    m.add_function(wrap_pyfunction!(find_changes, m)?)?;
+    m.add_function(wrap_pyfunction!(apply_changes, m)?)?;
+    Ok(())
+}

