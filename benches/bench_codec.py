@@ -20,7 +20,7 @@ Python baselines a-c time the in-memory codec (two uint16 arrays -> payload ->
 new array); d and g include file I/O (page cache). Every decode/apply is
 checked bit for bit against NEW.
 
-    python benches/bench_codec.py [--quick] [--pairs ID,...] [--out PATH]
+    python benches/bench_codec.py [--quick] [--repeats N] [--pairs ID,...] [--out PATH]
 """
 
 from __future__ import annotations
@@ -72,8 +72,12 @@ def step_path(directory: str, step: int) -> Path:
 # --------------------------------------------------------------------------
 
 
-def best_of(fn: Callable[[], object], repeats: int, setup: Callable[[], None] | None = None):
-    """Run ``fn`` ``repeats`` times (``setup`` untimed before each); min seconds, last result."""
+def best_of(fn: Callable[[], object], repeats: int, setup: Callable[[], None] | None = None,
+            check: Callable[[object], None] | None = None):
+    """Run ``fn`` ``repeats`` times; min seconds and the last result.
+
+    ``setup`` runs untimed before each run, ``check(result)`` untimed after each.
+    """
     best = float("inf")
     result = None
     for _ in range(repeats):
@@ -82,6 +86,8 @@ def best_of(fn: Callable[[], object], repeats: int, setup: Callable[[], None] | 
         t0 = time.perf_counter()
         result = fn()
         best = min(best, time.perf_counter() - t0)
+        if check is not None:
+            check(result)
     return best, result
 
 
@@ -246,11 +252,15 @@ def time_dcr(dcr, old_path: Path, new_path: Path, work: Path, m: int, repeats: i
         shutil.copyfile(old_path, target)
         os.chmod(target, 0o644)
 
+    want = new_path.read_bytes()
+
+    def verify(_):
+        if target.read_bytes() != want:
+            raise AssertionError(f"dcr.apply_file: {target} differs from NEW {new_path} after applying "
+                                 f"{delta} to a copy of OLD {old_path}: dcr is not bit-exact here")
+
     t_dec, _ = best_of(lambda: dcr.apply_file(str(delta), str(target), threads=1),
-                       repeats, setup=fresh_target)
-    if target.read_bytes() != new_path.read_bytes():
-        raise AssertionError(
-            f"dcr.apply_file: {target} differs from NEW {new_path} after applying {delta}: dcr is not bit-exact here")
+                       repeats, setup=fresh_target, check=verify)
     warnings = []
     if int(stats["changed_elements"]) != m:
         warnings.append(f"dcr reports changed_elements={stats['changed_elements']}, the benchmark counts {m}")
@@ -485,10 +495,13 @@ def main(argv: list[str] | None = None) -> int:
     all_ids = [p[0] for p in REAL_PAIRS] + [s[0] for s in SYNTHETIC_RATES]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one timing run per method instead of best of 3")
+    ap.add_argument("--repeats", type=int, help="timing runs per method, best kept (default 3; 1 with --quick)")
     ap.add_argument("--pairs", help="comma-separated input ids or substrings (ids: " + ", ".join(all_ids) + ")")
     ap.add_argument("--out", default=str(C.REPO_ROOT / "bench-out" / "codec.json"), help="JSON output path")
     args = ap.parse_args(argv)
-    repeats = 1 if args.quick else 3
+    repeats = args.repeats if args.repeats else (1 if args.quick else 3)
+    if repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
     chosen = select(all_ids, args.pairs)
 
     data = C.data_dir()
