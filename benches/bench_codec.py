@@ -197,7 +197,9 @@ def zstd_cli_version() -> str:
     exe = shutil.which("zstd")
     if exe is None:
         return ""
-    return subprocess.run([exe, "-V"], capture_output=True, text=True).stdout.strip()
+    out = subprocess.run([exe, "-V"], capture_output=True, text=True).stdout
+    m = re.search(r"v(\d+\.\d+\.\d+)", out)
+    return m.group(1) if m else out.strip()
 
 
 def time_zstd_patch(old_path: Path, new_path: Path, work: Path, repeats: int) -> dict:
@@ -433,44 +435,39 @@ SUMMARY_COLS = [  # (method key, short header)
 ]
 
 
-def summary(results: list[dict]) -> dict:
-    out = {}
-    for res in results:
-        by = {r["method"]: r for r in res["methods"]}
-        out[res["id"]] = {
-            "change_rate": res["change_rate"],
-            "iid_bound": res["bounds"]["iid_bytes_per_changed"],
-            "side_info_bound": res["bounds"]["side_info_bytes_per_changed"],
-            "bytes_per_changed": {k: by[k]["bytes_per_changed"] for k, _ in SUMMARY_COLS if k in by},
-            "encode_mb_s": {k: by[k]["encode_mb_s"] for k, _ in SUMMARY_COLS + [("e_full_new_zstd1", "")] if k in by},
-            "decode_mb_s": {k: by[k]["decode_mb_s"] for k, _ in SUMMARY_COLS + [("e_full_new_zstd1", "")] if k in by},
-            "dcr_speed_ratios": res["dcr_speed_ratios"],
-        }
-    return out
+def print_summary(results: list[dict], dcr_note: str | None) -> None:
+    by = {res["id"]: {r["method"]: r for r in res["methods"]} for res in results}
+    cols = [(k, h) for k, h in SUMMARY_COLS if any(k in b for b in by.values())]
 
+    def get(res, key, field):
+        r = by[res["id"]].get(key)
+        return None if r is None else r[field]
 
-def print_summary(results: list[dict], summ: dict, dcr_note: str | None) -> None:
-    cols = [(k, h) for k, h in SUMMARY_COLS if any(k in s["bytes_per_changed"] for s in summ.values())]
     print("\n== Summary: bytes per changed element")
     hdr = f"{'input':<14} {'rate %':>7} {'iid':>6} {'side':>6} " + " ".join(f"{h:>9}" for _, h in cols)
     print(hdr)
     print("-" * len(hdr))
     for res in results:
-        s = summ[res["id"]]
-        print(f"{res['label']:<14} {100 * s['change_rate']:7.3f} {s['iid_bound']:6.3f} {s['side_info_bound']:6.3f} "
-              + " ".join(f"{fmt(s['bytes_per_changed'].get(k), '9.3f')}" for k, _ in cols))
+        b = res["bounds"]
+        print(f"{res['label']:<14} {100 * res['change_rate']:7.3f} {fmt(b['iid_bytes_per_changed'], '6.3f')} "
+              f"{fmt(b['side_info_bytes_per_changed'], '6.3f')} "
+              + " ".join(fmt(get(res, k, "bytes_per_changed"), "9.3f") for k, _ in cols))
     print("\n== Summary: encode / decode MB/s of checkpoint, one core")
     scols = cols + [("e_full_new_zstd1", "e zstd-1")]
     hdr = f"{'input':<14} " + " ".join(f"{h:>13}" for _, h in scols)
     print(hdr)
     print("-" * len(hdr))
     for res in results:
-        s = summ[res["id"]]
-        cells = []
-        for k, _ in scols:
-            e, d = s["encode_mb_s"].get(k), s["decode_mb_s"].get(k)
-            cells.append(f"{fmt(e, '.0f')}/{fmt(d, '.0f')}".rjust(13))
+        cells = [f"{fmt(get(res, k, 'encode_mb_s'), '.0f')}/{fmt(get(res, k, 'decode_mb_s'), '.0f')}".rjust(13)
+                 for k, _ in scols]
         print(f"{res['label']:<14} " + " ".join(cells))
+    ratios = [(res["label"], res["dcr_speed_ratios"]) for res in results if res["dcr_speed_ratios"]]
+    if ratios:
+        print("\n== dcr speed vs zstd-1 of the full NEW file "
+              f"(targets: encode >= {ENCODE_TARGET:g}x compress, apply >= {APPLY_TARGET:g}x decompress)")
+        for label, q in ratios:
+            print(f"{label:<14} encode {q['encode_vs_zstd1_compress']:6.2f}x   apply {q['apply_vs_zstd1_decompress']:6.2f}x"
+                  f"   (apply vs compress {q['apply_vs_zstd1_compress']:.2f}x)")
     if dcr_note:
         print(f"\n{dcr_note}")
 
@@ -547,8 +544,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(res)
             print_input(res)
 
-    summ = summary(results)
-    print_summary(results, summ, dcr_note)
+    print_summary(results, dcr_note)
     elapsed = time.perf_counter() - t_start
     doc = {
         "schema": SCHEMA,
@@ -576,7 +572,6 @@ def main(argv: list[str] | None = None) -> int:
         "dcr": {"available": dcr is not None, "skip_reason": reason,
                 "module": getattr(dcr, "__file__", None) if dcr else None},
         "inputs": results,
-        "summary": summ,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -325,3 +325,26 @@ def test_python_baselines_round_trip(bench_codec):
                   bench_codec.DenseXorZstd(1), bench_codec.DenseXorZstd(3)):
         assert np.array_equal(codec.decode(old, codec.encode(old, new)), new), codec.label
         assert np.array_equal(codec.decode(old, codec.encode(old, old)), old), codec.label
+
+
+def test_bench_codec_smoke(tmp_path, bench_codec, capsys):
+    """One real pair and one synthetic input, one timing run: JSON written, rows verified."""
+    if not (C.data_dir() / bench_codec.FP32M / "step_011.safetensors").is_file():
+        pytest.skip(f"checkpoint data not found under {C.data_dir()} (set DCR_DATA)")
+    out = tmp_path / "codec.json"
+    assert bench_codec.main(["--quick", "--pairs", "fp32m-10-11,syn-1pct", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == bench_codec.SCHEMA
+    assert [i["id"] for i in doc["inputs"]] == ["fp32m-10-11", "syn-1pct"]
+    real, syn = doc["inputs"]
+    assert real["changed_elements"] == 145_482  # the data README's table
+    assert syn["changed_elements"] == round(0.01 * syn["n_elements"])
+    for inp in doc["inputs"]:
+        rows = {r["method"]: r for r in inp["methods"]}
+        assert rows["f_iid_bound"]["ratio_to_iid"] == pytest.approx(1.0)
+        assert 0 < inp["bounds"]["side_info_bytes_per_changed"] <= inp["bounds"]["iid_bytes_per_changed"]
+        for key in ("a_idx32_val16_zstd3", "b_leb128gap_xor16_zstd3", "c_dense_xor_zstd1",
+                    "d_zstd_cli_patch_from_long3", "e_full_new_zstd1"):
+            assert rows[key]["verified"] and rows[key]["encode_mb_s"] > 0
+    if not doc["dcr"]["available"]:
+        assert "dcr rows skipped" in capsys.readouterr().out
