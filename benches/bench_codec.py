@@ -523,8 +523,11 @@ def main(argv: list[str] | None = None) -> int:
         for pid, label, directory, a, b in REAL_PAIRS:
             if pid in chosen:
                 old = base if (directory, a) == (FP32M, 10) else C.load_raw(step_path(directory, a))
-                newp = step_path(directory, b)
-                inputs.append(Input(pid, label, "real", old.path, newp, old, C.load_raw(newp).words))
+                new = C.load_raw(step_path(directory, b))
+                for ck in (old, new):
+                    if ck.tensors != base.tensors:  # kinds are computed once, from base
+                        raise SystemExit(f"{ck.path}: tensor layout differs from {base.path}")
+                inputs.append(Input(pid, label, "real", old.path, new.path, old, new.words))
         syn = [(sid, r) for sid, r in SYNTHETIC_RATES if sid in chosen]
         if syn:
             pool = C.ulp_step_pool(base.words, C.load_raw(step_path(FP32M, 11)).words)
@@ -538,8 +541,6 @@ def main(argv: list[str] | None = None) -> int:
                                                    "step_pool": f"{FP32M} 10->11 ulp deltas, sign flips excluded",
                                                    "step_pool_size": int(pool.size)}}))
         for inp in inputs:
-            if C.kind_ids(inp.old).size != kinds.size:
-                raise SystemExit(f"{inp.label}: tensor layout differs from {FP32M}/step_010")
             res = run_input(inp, kinds, dcr, repeats, work)
             results.append(res)
             print_input(res)
