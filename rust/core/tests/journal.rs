@@ -149,7 +149,12 @@ fn fail_each(kind: &str, inject: impl Fn(&SimIo, u64)) -> u64 {
         let mut crashes = vec![("no crash", Crash::KeepPending { ops: usize::MAX, torn_bytes: 0 }), ("crash", Crash::DropUnsynced)];
         for ops in 0..pending {
             crashes.push(("crash keeping a prefix", Crash::KeepPending { ops, torn_bytes: 7 }));
+            // Out of order: everything but op `ops`, or only op `ops`.
+            crashes.push(("crash reordering", Crash::Reorder { mask: !(1 << ops), torn_op: ops, torn_bytes: 9 }));
+            crashes.push(("crash reordering", Crash::Reorder { mask: 1 << ops, torn_op: usize::MAX, torn_bytes: 0 }));
         }
+        crashes.push(("crash reordering", Crash::Reorder { mask: 0x5555_5555_5555_5555, torn_op: 0, torn_bytes: 5 }));
+        crashes.push(("crash reordering", Crash::Reorder { mask: 0xaaaa_aaaa_aaaa_aaaa, torn_op: 1, torn_bytes: 5 }));
         for (what, mode) in crashes {
             check_recovery(io.crashed_copy(mode), &ops, &states, failed, &format!("{label}, {what} {mode:?}"));
         }
@@ -487,6 +492,7 @@ proptest! {
         cut in 0u64..400,
         keep in 0usize..64,
         torn in 0usize..80,
+        reorder in proptest::option::of(any::<u64>()),
     ) {
         let ops = random_ops(n_chunks, &batches, abort);
         let states = expected_states(&ops);
@@ -495,7 +501,10 @@ proptest! {
         let (j, failed) = run(&io, &ops);
         drop(j);
         let keep = keep.min(io.pending_ops());
-        io.crash(Crash::KeepPending { ops: keep, torn_bytes: torn });
+        io.crash(match reorder {
+            None => Crash::KeepPending { ops: keep, torn_bytes: torn },
+            Some(mask) => Crash::Reorder { mask, torn_op: keep, torn_bytes: torn },
+        });
         match failed {
             Some(failed) => check_recovery(io, &ops, &states, failed, &format!("cut {cut}, keep {keep}, torn {torn}")),
             None => {

@@ -29,6 +29,11 @@ pub enum Crash {
     /// The first `ops` pending operations survive in issue order, plus the
     /// first `torn_bytes` bytes of the next one if it is a write.
     KeepPending { ops: usize, torn_bytes: usize },
+    /// Pending operations persist out of order, as a disk reorders writes
+    /// between flushes: operation `i` survives if bit `i % 64` of `mask` is
+    /// set; operation `torn_op`, if it does not survive whole and is a write,
+    /// leaves its first `torn_bytes` bytes.
+    Reorder { mask: u64, torn_op: usize, torn_bytes: usize },
 }
 
 /// Operation counters since the file system was made (faults use the same
@@ -270,15 +275,27 @@ impl SimIo {
     pub fn crash(&self, mode: Crash) {
         let mut fs = self.lock();
         let pending = std::mem::take(&mut fs.pending);
-        if let Crash::KeepPending { ops, torn_bytes } = mode {
-            for (i, p) in pending.iter().enumerate() {
-                if i < ops {
-                    fs.apply_durable(p, None);
-                } else {
-                    if matches!(p, Pending::Write { .. }) {
+        match mode {
+            Crash::DropUnsynced => {}
+            Crash::KeepPending { ops, torn_bytes } => {
+                for (i, p) in pending.iter().enumerate() {
+                    if i < ops {
+                        fs.apply_durable(p, None);
+                    } else {
+                        if matches!(p, Pending::Write { .. }) {
+                            fs.apply_durable(p, Some(torn_bytes));
+                        }
+                        break;
+                    }
+                }
+            }
+            Crash::Reorder { mask, torn_op, torn_bytes } => {
+                for (i, p) in pending.iter().enumerate() {
+                    if mask & (1 << (i % 64)) != 0 {
+                        fs.apply_durable(p, None);
+                    } else if i == torn_op && matches!(p, Pending::Write { .. }) {
                         fs.apply_durable(p, Some(torn_bytes));
                     }
-                    break;
                 }
             }
         }
@@ -520,6 +537,8 @@ mod tests {
         assert_eq!(c.file_bytes(&p("a")).unwrap(), b"012345");
         // The original is untouched.
         assert_eq!(io.file_bytes(&p("a")).unwrap(), b"0123456789");
+        let c = io.crashed_copy(Crash::Reorder { mask: 0b10, torn_op: 0, torn_bytes: 1 });
+        assert_eq!(c.file_bytes(&p("a")).unwrap(), b"0\0\0\0456789");
         io.crash(Crash::KeepPending { ops: 0, torn_bytes: 3 });
         assert_eq!(io.read(&p("a")).unwrap().unwrap(), b"012");
     }

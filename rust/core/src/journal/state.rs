@@ -524,7 +524,7 @@ mod tests {
     #[test]
     fn to_records_rebuilds_the_state() {
         let mut s = ReceiverState::default();
-        let mut replay = |s: &ReceiverState| {
+        let replay = |s: &ReceiverState| {
             let mut t = ReceiverState::default();
             for r in s.to_records() {
                 t.apply(&r).unwrap();
