@@ -146,7 +146,10 @@ fn encode_batch<P: AsRef<[u8]>>(out: &mut Vec<u8>, payloads: &[P], last: [u8; 4]
 /// with a wrong checksum or an unknown marker is an error only if a `CMIT`
 /// marker closes its batch (the two-phase append makes that impossible for a
 /// crash); otherwise it is part of the torn tail. A length above
-/// [`MAX_RECORD_LEN`] is always an error (unwritten bytes read as zero).
+/// [`MAX_RECORD_LEN`] is an error unless an earlier record of the same
+/// unfinished batch was already damaged: a torn write mixes the bytes written
+/// with zeros, so on its own it can only make a length smaller, but a smaller
+/// length makes the scan read payload bytes as the next header.
 pub fn scan(path: &Path, bytes: &[u8]) -> Result<Scan> {
     check_header(path, bytes)?;
     let mut pos = HEADER_LEN;
@@ -167,6 +170,11 @@ pub fn scan(path: &Path, bytes: &[u8]) -> Result<Scan> {
         }
         let len = u32_at(bytes, pos) as usize;
         if len > MAX_RECORD_LEN {
+            if suspect.is_some() {
+                // Parsing is already off track inside an unfinished batch
+                // (a torn length made us read payload bytes as a header).
+                break Some("a record of an unfinished batch is damaged");
+            }
             return Err(corrupt(path, pos, format!("record length is {len} bytes, but the limit is {MAX_RECORD_LEN}")));
         }
         let total = RECORD_OVERHEAD + len;
@@ -492,6 +500,25 @@ mod tests {
     }
 
     #[test]
+    fn a_torn_length_that_derails_the_scan_is_still_a_torn_tail() {
+        let p = jpath();
+        let mut b = encode_header().to_vec();
+        encode_batch(&mut b, &[b"one".as_slice()], MARK_COMMIT);
+        let committed = b.len();
+        encode_batch(&mut b, &[b"xxxxabcdefghijklmnopqrstuvwxyz".as_slice()], MARK_NONE);
+        // The high byte of the length persisted, the low one did not: length 0.
+        b[committed] = 0;
+        let s = scan(&p, &b).unwrap();
+        assert_eq!(s.records.len(), 1);
+        assert_eq!(s.torn.unwrap().reason, "a record of an unfinished batch is damaged");
+        // The same bytes closed by a commit marker are corruption.
+        let mut c = b[..committed].to_vec();
+        encode_batch(&mut c, &[b"x".as_slice()], MARK_COMMIT);
+        c[committed + 4] = b'y';
+        assert!(matches!(scan(&p, &c), Err(Error::JournalCorrupt { offset, .. }) if offset == committed as u64));
+    }
+
+    #[test]
     fn scan_rejects_corrupt_committed_records_with_their_offset() {
         let p = jpath();
         let mut b = encode_header().to_vec();
@@ -621,6 +648,9 @@ mod tests {
         assert!(j.poisoned().is_none());
         // The torn half-write was cut off; the next append lands cleanly.
         j.append(b"ok").unwrap();
+        let (_, s) = Journal::open(&p, io.crashed_copy(Crash::KeepPending { ops: usize::MAX, torn_bytes: 0 })).unwrap();
+        assert_eq!(payloads(&s), vec![b"keep".to_vec(), b"ok".to_vec()]);
+        assert_eq!(s.torn, None, "stray bytes after the last record");
         let s = io.counts().syncs;
         io.fail_sync(s);
         assert!(j.append(b"maybe").is_err());
