@@ -37,6 +37,38 @@
 //! Every call that writes returns only after its records are durable; a call
 //! that fails leaves the durable state either as before the call or as after
 //! it, never in between, and a reopen tells which.
+//!
+//! ```
+//! use dcr_core::journal::{ChunkState, ReceiverJournal, RefitPlan};
+//!
+//! let dir = tempfile::tempdir().unwrap();
+//! let path = dir.path().join("receiver.dcrj");
+//! let (mut j, recovered) = ReceiverJournal::open_std(&path)?;
+//! assert!(recovered.state.committed.is_none());
+//! j.commit_dense(41, [0x41; 16])?; // weights loaded densely
+//! j.begin_refit(RefitPlan {
+//!     version: 42,
+//!     base_digest: [0x41; 16],
+//!     target_digest: [0x42; 16],
+//!     delta_id: [7; 16],
+//!     n_chunks: 3,
+//! })?;
+//! j.chunks_started(&[0, 1])?;
+//! // ... XOR chunks 0 and 1 into the target, flush, then:
+//! j.chunk_applied(0)?;
+//! drop(j); // crash
+//!
+//! let (mut j, recovered) = ReceiverJournal::open_std(&path)?;
+//! let refit = recovered.state.refit.unwrap();
+//! assert_eq!(refit.chunks, [ChunkState::Applied, ChunkState::InProgress, ChunkState::NotStarted]);
+//! // Chunk 1: repair by overwrite, never XOR again. Chunk 2: apply normally.
+//! j.chunk_applied(1)?;
+//! j.chunk_started(2)?;
+//! j.chunk_applied(2)?;
+//! j.commit(42, [0x42; 16])?; // after verifying the target's digest
+//! assert_eq!(j.state().committed.unwrap().version, 42);
+//! # Ok::<(), dcr_core::Error>(())
+//! ```
 
 pub mod file;
 pub mod io;
