@@ -18,7 +18,13 @@ fn jpath() -> PathBuf {
 }
 
 fn plan(version: u64, base: u8, target: u8, n_chunks: u32) -> RefitPlan {
-    RefitPlan { version, base_digest: d(base), target_digest: d(target), delta_id: [version as u8 ^ 0x5a; 16], n_chunks }
+    RefitPlan {
+        version,
+        base_digest: d(base),
+        target_digest: d(target),
+        delta_id: [version as u8 ^ 0x5a; 16],
+        n_chunks,
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -146,7 +152,8 @@ fn fail_each(kind: &str, inject: impl Fn(&SimIo, u64)) -> u64 {
         };
         let pending = io.pending_ops();
         let label = format!("{kind} #{n}");
-        let mut crashes = vec![("no crash", Crash::KeepPending { ops: usize::MAX, torn_bytes: 0 }), ("crash", Crash::DropUnsynced)];
+        let mut crashes =
+            vec![("no crash", Crash::KeepPending { ops: usize::MAX, torn_bytes: 0 }), ("crash", Crash::DropUnsynced)];
         for ops in 0..pending {
             crashes.push(("crash keeping a prefix", Crash::KeepPending { ops, torn_bytes: 7 }));
             // Out of order: everything but op `ops`, or only op `ops`.
@@ -252,7 +259,10 @@ fn a_refused_transition_writes_nothing() {
     refused(&mut j, Op::Applied(vec![0, 0]), "twice");
     refused(&mut j, Op::Applied(vec![0, 1]), "never recorded as started");
     refused(&mut j, Op::Commit(2, 2), "not recorded as applied");
-    assert_eq!(j.state().refit.as_ref().unwrap().chunks, vec![ChunkState::InProgress, ChunkState::NotStarted, ChunkState::NotStarted]);
+    assert_eq!(
+        j.state().refit.as_ref().unwrap().chunks,
+        vec![ChunkState::InProgress, ChunkState::NotStarted, ChunkState::NotStarted]
+    );
 }
 
 #[test]
@@ -377,7 +387,9 @@ fn enospc_is_clear_and_loses_nothing_committed() {
     let before = j.state().clone();
     assert_eq!(before.refit.as_ref().unwrap().touched(), acknowledged);
     // Nothing acknowledged is lost, with or without a crash.
-    for copy in [io.crashed_copy(Crash::DropUnsynced), io.crashed_copy(Crash::KeepPending { ops: usize::MAX, torn_bytes: 0 })] {
+    for copy in
+        [io.crashed_copy(Crash::DropUnsynced), io.crashed_copy(Crash::KeepPending { ops: usize::MAX, torn_bytes: 0 })]
+    {
         let (_, rec) = ReceiverJournal::open(jpath(), copy).unwrap();
         assert_eq!(rec.state, before);
     }

@@ -103,7 +103,11 @@ pub fn check_header(path: &Path, bytes: &[u8]) -> Result<()> {
         return Err(corrupt(
             path,
             0,
-            format!("expected magic {:?}, found {:?}: this is not a dcr journal", MAGIC.escape_ascii().to_string(), bytes[..8].escape_ascii().to_string()),
+            format!(
+                "expected magic {:?}, found {:?}: this is not a dcr journal",
+                MAGIC.escape_ascii().to_string(),
+                bytes[..8].escape_ascii().to_string()
+            ),
         ));
     }
     let version = u16::from_le_bytes([bytes[8], bytes[9]]);
@@ -113,11 +117,19 @@ pub fn check_header(path: &Path, bytes: &[u8]) -> Result<()> {
     let stored = u32_at(bytes, 12);
     let computed = crc32c::crc32c(&bytes[..12]);
     if stored != computed {
-        return Err(corrupt(path, 12, format!("header has crc32c {stored:#010x} but its bytes hash to {computed:#010x}")));
+        return Err(corrupt(
+            path,
+            12,
+            format!("header has crc32c {stored:#010x} but its bytes hash to {computed:#010x}"),
+        ));
     }
     let flags = u16::from_le_bytes([bytes[10], bytes[11]]);
     if flags != 0 {
-        return Err(corrupt(path, 10, format!("header flags are {flags:#06x}, but format version {FORMAT_VERSION} defines none (expected 0)")));
+        return Err(corrupt(
+            path,
+            10,
+            format!("header flags are {flags:#06x}, but format version {FORMAT_VERSION} defines none (expected 0)"),
+        ));
     }
     Ok(())
 }
@@ -197,7 +209,10 @@ pub fn scan(path: &Path, bytes: &[u8]) -> Result<Scan> {
         if marker != MARK_COMMIT && marker != MARK_CONTINUE && suspect.is_none() {
             suspect = Some((
                 body_end + 4,
-                format!("the commit marker there is {:?}, expected \"CONT\" or \"CMIT\"", marker.escape_ascii().to_string()),
+                format!(
+                    "the commit marker there is {:?}, expected \"CONT\" or \"CMIT\"",
+                    marker.escape_ascii().to_string()
+                ),
             ));
         }
         batch.push(RawRecord { offset: pos as u64, payload: bytes[pos + 4..body_end].to_vec() });
@@ -210,11 +225,8 @@ pub fn scan(path: &Path, bytes: &[u8]) -> Result<Scan> {
             committed_end = pos;
         }
     };
-    let torn = torn.map(|reason| TornTail {
-        offset: committed_end as u64,
-        len: (bytes.len() - committed_end) as u64,
-        reason,
-    });
+    let torn =
+        torn.map(|reason| TornTail { offset: committed_end as u64, len: (bytes.len() - committed_end) as u64, reason });
     Ok(Scan { records, committed_end: committed_end as u64, torn })
 }
 
@@ -331,7 +343,8 @@ impl<I: JournalIo> Journal<I> {
     /// next append does not leave stray bytes after its records.
     fn roll_back(&mut self, op: &'static str, source: std::io::Error) -> Error {
         if let Err(e2) = self.file.set_len(self.end) {
-            self.poisoned = Some(format!("{op} failed ({source}), then truncating back to byte {} failed ({e2})", self.end));
+            self.poisoned =
+                Some(format!("{op} failed ({source}), then truncating back to byte {} failed ({e2})", self.end));
         }
         self.io_error(op, source)
     }
@@ -528,7 +541,13 @@ mod tests {
         // Flip every payload or crc byte in turn: always a hard error at the
         // start of the record that holds it.
         for i in HEADER_LEN..b.len() {
-            let rec_start = if i < second { HEADER_LEN } else if i < second + RECORD_OVERHEAD + 3 { second } else { second + RECORD_OVERHEAD + 3 };
+            let rec_start = if i < second {
+                HEADER_LEN
+            } else if i < second + RECORD_OVERHEAD + 3 {
+                second
+            } else {
+                second + RECORD_OVERHEAD + 3
+            };
             let in_len = i < rec_start + 4;
             let rec_len = if rec_start == second + RECORD_OVERHEAD + 3 { 5 } else { 3 };
             let in_marker = i >= rec_start + 4 + rec_len + 4;

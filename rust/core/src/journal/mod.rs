@@ -18,12 +18,12 @@
 //! # Protocol for applying a refit
 //! 1. [`begin_refit`](ReceiverJournal::begin_refit) with the delta's plan.
 //! 2. For each chunk (or batch of chunks):
-//!    a. [`chunk_started`](ReceiverJournal::chunk_started) (or
-//!       `chunks_started`); it returns after the record is synced. Only then
-//!       may the chunk's bytes touch the target.
-//!    b. Apply the chunk, then flush the target's bytes for it (fsync/msync a
-//!       file, or synchronize the device stream so the write is complete).
-//!    c. [`chunk_applied`](ReceiverJournal::chunk_applied) (or
+//!    1. [`chunk_started`](ReceiverJournal::chunk_started) (or
+//!       `chunks_started`); it returns after the record is synced. Only
+//!       then may the chunk's bytes touch the target.
+//!    2. Apply the chunk, then flush the target's bytes for it (fsync/msync
+//!       a file, or synchronize the device stream so the write is complete).
+//!    3. [`chunk_applied`](ReceiverJournal::chunk_applied) (or
 //!       `chunks_applied`).
 //! 3. Verify the target's digest, then [`commit`](ReceiverJournal::commit)
 //!    (which compacts the journal), or [`abort`](ReceiverJournal::abort).

@@ -42,11 +42,16 @@ impl<I: JournalIo> ReceiverJournal<I> {
         let (journal, scan) = Journal::open(path, io)?;
         let mut state = ReceiverState::default();
         for raw in &scan.records {
-            let corrupt = |detail: String| Error::JournalCorrupt { path: journal.path().to_path_buf(), offset: raw.offset, detail };
-            let rec = Record::decode(&raw.payload).map_err(|d| corrupt(format!("the record there has a valid checksum but cannot be decoded: {d}")))?;
-            state
-                .apply(&rec)
-                .map_err(|d| corrupt(format!("the record there ({rec}) does not follow from the records before it: {d}")))?;
+            let corrupt = |detail: String| Error::JournalCorrupt {
+                path: journal.path().to_path_buf(),
+                offset: raw.offset,
+                detail,
+            };
+            let rec = Record::decode(&raw.payload)
+                .map_err(|d| corrupt(format!("the record there has a valid checksum but cannot be decoded: {d}")))?;
+            state.apply(&rec).map_err(|d| {
+                corrupt(format!("the record there ({rec}) does not follow from the records before it: {d}"))
+            })?;
         }
         let recovered = RecoveredState { state: state.clone(), torn_tail: scan.torn, records: scan.records.len() };
         Ok((ReceiverJournal { journal, state }, recovered))

@@ -538,7 +538,7 @@ mod tests {
         // The original is untouched.
         assert_eq!(io.file_bytes(&p("a")).unwrap(), b"0123456789");
         let c = io.crashed_copy(Crash::Reorder { mask: 0b10, torn_op: 0, torn_bytes: 1 });
-        assert_eq!(c.file_bytes(&p("a")).unwrap(), b"0\0\0\0456789");
+        assert_eq!(c.file_bytes(&p("a")).unwrap(), b"0\x00\x00\x00456789");
         io.crash(Crash::KeepPending { ops: 0, torn_bytes: 3 });
         assert_eq!(io.read(&p("a")).unwrap().unwrap(), b"012");
     }

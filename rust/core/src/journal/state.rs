@@ -279,7 +279,9 @@ fn refit_label(r: &RefitState) -> String {
 
 impl ReceiverState {
     fn in_flight(&self, what: &str) -> Result<&RefitState, String> {
-        self.refit.as_ref().ok_or_else(|| format!("no refit is in flight, so there is nothing to {what}: call begin_refit first"))
+        self.refit
+            .as_ref()
+            .ok_or_else(|| format!("no refit is in flight, so there is nothing to {what}: call begin_refit first"))
     }
 
     fn chunk(&self, seq: u32, what: &str) -> Result<ChunkState, String> {
@@ -397,7 +399,8 @@ impl ReceiverState {
             }
             Record::RefitAborted { version, touched_chunks, reason } => {
                 self.refit = None;
-                self.last_abort = Some(AbortedRefit { version: *version, touched_chunks: *touched_chunks, reason: reason.clone() });
+                self.last_abort =
+                    Some(AbortedRefit { version: *version, touched_chunks: *touched_chunks, reason: reason.clone() });
             }
             Record::RefitCommitted { version, digest } => {
                 self.committed = Some(CommittedVersion { version: *version, digest: *digest });
@@ -416,7 +419,11 @@ impl ReceiverState {
             out.push(Record::Committed { version: c.version, digest: c.digest });
         }
         if let Some(a) = &self.last_abort {
-            out.push(Record::RefitAborted { version: a.version, touched_chunks: a.touched_chunks, reason: a.reason.clone() });
+            out.push(Record::RefitAborted {
+                version: a.version,
+                touched_chunks: a.touched_chunks,
+                reason: a.reason.clone(),
+            });
         }
         if let Some(r) = &self.refit {
             out.push(Record::RefitBegin(r.plan));
@@ -439,7 +446,13 @@ mod tests {
     use super::*;
 
     fn plan(version: u64, base: u8, n: u32) -> RefitPlan {
-        RefitPlan { version, base_digest: [base; 16], target_digest: [version as u8; 16], delta_id: [0xd; 16], n_chunks: n }
+        RefitPlan {
+            version,
+            base_digest: [base; 16],
+            target_digest: [version as u8; 16],
+            delta_id: [0xd; 16],
+            n_chunks: n,
+        }
     }
 
     fn all_records() -> Vec<Record> {
