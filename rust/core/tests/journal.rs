@@ -549,3 +549,40 @@ proptest! {
         }
     }
 }
+
+fn any_op() -> impl Strategy<Value = Op> {
+    let seqs = proptest::collection::vec(0u32..5, 1..4);
+    prop_oneof![
+        (1u64..4, 1u8..4).prop_map(|(v, x)| Op::Dense(v, x)),
+        (1u64..5, 1u8..4, 1u8..5, 1u32..5).prop_map(|(v, b, t, n)| Op::Begin(plan(v, b, t, n))),
+        seqs.clone().prop_map(Op::Started),
+        seqs.prop_map(Op::Applied),
+        (1u64..5, 1u8..5).prop_map(|(v, x)| Op::Commit(v, x)),
+        Just(Op::Abort("random")),
+        Just(Op::Compact),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Random calls, many of them refused: after every call, a crash that
+    /// drops everything unsynced recovers exactly the handle's state, and a
+    /// refused call changes nothing.
+    #[test]
+    fn random_calls_keep_disk_and_memory_in_step(ops in proptest::collection::vec(any_op(), 1..40)) {
+        let io = SimIo::new();
+        let (mut j, _) = ReceiverJournal::open(jpath(), io.clone()).unwrap();
+        for op in &ops {
+            let before = j.state().clone();
+            match apply(&mut j, op) {
+                Ok(()) => {}
+                Err(Error::JournalTransition { .. }) => prop_assert_eq!(j.state(), &before),
+                Err(e) => prop_assert!(false, "{:?}: unexpected error {}", op, e),
+            }
+            let (_, rec) = ReceiverJournal::open(jpath(), io.crashed_copy(Crash::DropUnsynced)).unwrap();
+            prop_assert_eq!(&rec.state, j.state(), "after {:?}", op);
+            prop_assert!(rec.torn_tail.is_none());
+        }
+    }
+}
