@@ -2,15 +2,17 @@
 //!
 //! Pure Rust, no Python: the canonical checkpoint model and digests
 //! ([`checkpoint`]), the chunk codec ([`codec`]), the delta format
-//! ([`format`]) and whole-checkpoint diff/apply ([`delta`]).
+//! ([`format`]), whole-checkpoint diff/apply ([`delta`], [`files`]) and the
+//! receiver's crash-safe commit journal ([`journal`]).
 #![deny(unsafe_code)]
 
 pub mod checkpoint;
 pub mod codec;
 pub mod delta;
 pub mod dtype;
-pub mod files;
 pub mod error;
+pub mod files;
 pub mod format;
+pub mod journal;
 
 pub use error::{Error, Result};

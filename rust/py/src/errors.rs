@@ -14,6 +14,7 @@ create_exception!(dcr, BaseMismatchError, DcrError, "The target is not the versi
 create_exception!(dcr, LayoutMismatchError, DcrError, "Tensor names, dtypes or shapes differ from what was expected.");
 create_exception!(dcr, VerificationError, DcrError, "After applying, the target's digests differ from the delta's.");
 create_exception!(dcr, CheckpointError, DcrError, "A checkpoint file could not be read.");
+create_exception!(dcr, JournalError, DcrError, "The receiver's commit journal refused a transition or is corrupt.");
 
 pub fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
@@ -34,6 +35,8 @@ pub fn to_py(e: Error) -> PyErr {
         Error::LayoutMismatch { .. } => LayoutMismatchError::new_err(msg),
         Error::TargetMismatch { .. } | Error::RollbackFailed { .. } => VerificationError::new_err(msg),
         Error::UnsupportedDtype { .. } | Error::Invalid(_) => PyValueError::new_err(msg),
+        Error::JournalIo { source, .. } => PyOSError::new_err((source.raw_os_error().unwrap_or(0), msg)),
+        _ => JournalError::new_err(msg),
     }
 }
 
@@ -47,5 +50,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("LayoutMismatchError", py.get_type::<LayoutMismatchError>())?;
     m.add("VerificationError", py.get_type::<VerificationError>())?;
     m.add("CheckpointError", py.get_type::<CheckpointError>())?;
+    m.add("JournalError", py.get_type::<JournalError>())?;
     Ok(())
 }
