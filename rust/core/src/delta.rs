@@ -321,8 +321,9 @@ pub fn check_base(header: &DeltaHeader, layout: &Layout, digests: &[Digest]) -> 
     }
     if found != header.base_digest {
         return Err(Error::BaseMismatch {
-            base: format!("v{} ({})", header.base_version, digest_short(&header.base_digest)),
-            target: format!("v{} ({})", header.target_version, digest_short(&header.target_digest)),
+            base_version: header.base_version,
+            target_version: header.target_version,
+            base_digest: digest_short(&header.base_digest),
             found: digest_short(&found),
         });
     }

@@ -55,8 +55,8 @@ pub enum Error {
     #[error("chunk {seq} was already applied; applying an XOR twice would undo it, so the replay is refused")]
     DuplicateChunk { seq: u32 },
 
-    #[error("delta {base}->{target} needs base checkpoint digest {base}, but the target holds {found}; apply the deltas in order from the version it holds, or do a dense refit")]
-    BaseMismatch { base: String, target: String, found: String },
+    #[error("delta v{base_version}->v{target_version} needs base digest {base_digest}, but the target holds digest {found}; apply the deltas in order from the version it holds, or do a dense refit")]
+    BaseMismatch { base_version: u64, target_version: u64, base_digest: String, found: String },
 
     #[error("layout mismatch: {detail}; the delta was built for a different model layout: check that you passed the right checkpoint, or do a dense refit")]
     LayoutMismatch { detail: String },
