@@ -371,6 +371,48 @@ fn apply_changes(py: Python<'_>, target: Span, width: usize, positions: &[u8], v
     py.detach(|| codec::apply_changes(target, width, kind, &changes)).map_err(to_py)
 }
 
+/// Parse, validate and decode a whole delta: its header and, per chunk,
+/// (tensor name, start word, word width, kind, positions as uint32 LE bytes,
+/// values as uint64 LE bytes). For integrations that place changes
+/// themselves (serving-runtime loaders, GPU apply).
+#[pyfunction]
+fn decode_delta<'py>(py: Python<'py>, delta: &[u8]) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
+    type Decoded = Vec<(usize, u64, usize, &'static str, Vec<u8>, Vec<u8>)>;
+    let (parsed, chunks): (delta::Delta, Decoded) = py
+        .detach(|| -> dcr_core::Result<_> {
+            let d = delta::read_delta(delta)?;
+            let mut out = Vec::with_capacity(d.chunks.len());
+            for c in &d.chunks {
+                let range = delta::check_chunk(&d.header, c)?;
+                let w = d.header.layout.tensors()[c.tensor as usize].dtype.word_bytes();
+                let ch = codec::decode_chunk(&c.payload, range.len() / w, w, c.encoding, c.n_changed, &format!("chunk {}", c.seq))?
+                    .to_changes();
+                let pos: Vec<u8> = ch.positions.iter().flat_map(|p| p.to_le_bytes()).collect();
+                let val: Vec<u8> = ch.values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                out.push((c.tensor as usize, c.start, w, c.kind.name(), pos, val));
+            }
+            Ok((d, out))
+        })
+        .map_err(to_py)?;
+    let h = PyDict::new(py);
+    h.set_item("delta_id", digest_hex(&parsed.header.delta_id))?;
+    h.set_item("base_digest", digest_hex(&parsed.header.base_digest))?;
+    h.set_item("target_digest", digest_hex(&parsed.header.target_digest))?;
+    h.set_item("base_version", parsed.header.base_version)?;
+    h.set_item("target_version", parsed.header.target_version)?;
+    let tensors = PyList::empty(py);
+    for t in parsed.header.layout.tensors() {
+        tensors.append((t.name.as_str(), t.dtype.name(), t.shape.clone()))?;
+    }
+    h.set_item("tensors", tensors)?;
+    let names: Vec<&str> = parsed.header.layout.tensors().iter().map(|t| t.name.as_str()).collect();
+    let list = PyList::empty(py);
+    for (t, start, w, kind, pos, val) in chunks {
+        list.append((names[t], start, w, kind, PyBytes::new(py, &pos), PyBytes::new(py, &val)))?;
+    }
+    Ok((h, list))
+}
+
 #[pymodule(gil_used = false)]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -387,5 +429,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(digest_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(find_changes, m)?)?;
     m.add_function(wrap_pyfunction!(apply_changes, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_delta, m)?)?;
     Ok(())
 }
