@@ -74,6 +74,7 @@ def diff_buffers(
     chunk_bytes: int = ...,
     kind: str = "xor",
     zstd_level: int = 1,
+    mode: str = "free",
     base_version: int = 0,
     target_version: int = 1,
     threads: int | None = None,

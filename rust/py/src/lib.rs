@@ -260,7 +260,7 @@ fn layout_of(names: Vec<String>, dtypes: Vec<String>, shapes: Vec<Vec<u64>>) -> 
 
 /// Diff two lists of tensor buffers (uint8 views) into delta bytes.
 #[pyfunction]
-#[pyo3(signature = (names, dtypes, shapes, old, new, *, chunk_bytes=delta::DEFAULT_CHUNK_BYTES, kind="xor", zstd_level=1, base_version=0, target_version=1, threads=None))]
+#[pyo3(signature = (names, dtypes, shapes, old, new, *, chunk_bytes=delta::DEFAULT_CHUNK_BYTES, kind="xor", zstd_level=1, mode="free", base_version=0, target_version=1, threads=None))]
 #[allow(clippy::too_many_arguments)]
 fn diff_buffers<'py>(
     py: Python<'py>,
@@ -272,6 +272,7 @@ fn diff_buffers<'py>(
     chunk_bytes: u32,
     kind: &str,
     zstd_level: i32,
+    mode: &str,
     base_version: u64,
     target_version: u64,
     threads: Option<usize>,
@@ -279,7 +280,7 @@ fn diff_buffers<'py>(
     let (layout, order) = layout_of(names, dtypes, shapes)?;
     check_spans(&old, false)?;
     check_spans(&new, false)?;
-    let opts = DiffOptions { chunk_bytes, kind: parse_kind(kind)?, zstd_level, mode: Mode::Free, base_version, target_version };
+    let opts = DiffOptions { chunk_bytes, kind: parse_kind(kind)?, zstd_level, mode: parse_mode(mode)?, base_version, target_version };
     let pool = pool(threads)?;
     let (o, n) = (slices(&old), slices(&new));
     let o: Vec<&[u8]> = order.iter().map(|&i| o[i]).collect();
@@ -385,6 +386,12 @@ fn decode_delta<'py>(py: Python<'py>, delta: &[u8]) -> PyResult<(Bound<'py, PyDi
             for c in &d.chunks {
                 let range = delta::check_chunk(&d.header, c)?;
                 let w = d.header.layout.tensors()[c.tensor as usize].dtype.word_bytes();
+                if c.mode == Mode::Context {
+                    return Err(dcr_core::Error::Invalid(format!(
+                        "chunk {} is context-coded and decodes only against its base: apply it with apply_tensors/apply_file, or build the delta with mode='free'",
+                        c.seq
+                    )));
+                }
                 let ch = codec::decode_chunk(&c.payload, range.len() / w, w, c.encoding, c.n_changed, &format!("chunk {}", c.seq))?
                     .to_changes();
                 let pos: Vec<u8> = ch.positions.iter().flat_map(|p| p.to_le_bytes()).collect();

@@ -12,6 +12,7 @@
 //! Every stream goes through zstd when that is smaller. Decoding needs only
 //! the payload (context-free mode).
 
+pub mod context;
 pub mod streams;
 
 use crate::error::{Error, Result};
@@ -111,6 +112,7 @@ impl Default for EncodeOptions {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EncodedChunk {
     pub encoding: Encoding,
+    pub mode: Mode,
     pub n_changed: u32,
     pub payload: Vec<u8>,
 }
@@ -200,7 +202,7 @@ fn scan<T: Word>(old: &[u8], new: &[u8], kind: ChangeKind, out: &mut SparseChang
     let w = T::BYTES;
     let n = old.len() / w;
     let blocks = n / BLOCK;
-    let mut visit = |base: usize, a: &[u8], b: &[u8], mut mask: u64, out: &mut SparseChanges| {
+    let visit = |base: usize, a: &[u8], b: &[u8], mut mask: u64, out: &mut SparseChanges| {
         while mask != 0 {
             let i = mask.trailing_zeros() as usize;
             mask &= mask - 1;
@@ -339,6 +341,38 @@ pub fn encode_chunk(old: &[u8], new: &[u8], width: usize, opts: EncodeOptions) -
     Ok(Some(encode_changes(&changes, n, width, opts, || dense_values(old, new, opts.kind))))
 }
 
+/// Encode a chunk, trying the context-aware mode too when `model` is given
+/// (the decoder then reads the chunk's base values): the smaller wins.
+pub fn encode_chunk_with_context(
+    old: &[u8],
+    new: &[u8],
+    width: usize,
+    opts: EncodeOptions,
+    model: Option<&context::ContextModel>,
+) -> Result<Option<EncodedChunk>> {
+    let Some(model) = model else { return encode_chunk(old, new, width, opts) };
+    let xor = find_changes(old, new, width, ChangeKind::Xor)?;
+    if xor.positions.is_empty() {
+        return Ok(None);
+    }
+    let n = old.len() / width;
+    let m = xor.positions.len();
+    let ctx_payload = context::encode(old, new, &xor, model, opts.zstd_level);
+    let changes = match opts.kind {
+        ChangeKind::Xor => xor,
+        ChangeKind::Overwrite => SparseChanges {
+            values: xor.positions.iter().map(|&p| read_word(&new[p as usize * width..][..width])).collect(),
+            positions: xor.positions,
+        },
+    };
+    let free = encode_changes(&changes, n, width, opts, || dense_values(old, new, opts.kind));
+    Ok(Some(if ctx_payload.len() < free.payload.len() {
+        EncodedChunk { encoding: Encoding::Sparse, mode: Mode::Context, n_changed: m as u32, payload: ctx_payload }
+    } else {
+        free
+    }))
+}
+
 /// Encode changes already found (e.g. by a GPU compaction kernel). `dense`
 /// gives every element's value when a dense representation is considered.
 pub fn encode_changes(
@@ -371,7 +405,7 @@ pub fn encode_changes(
         consider(Encoding::Raw, dense(), &mut best);
     }
     let (encoding, payload) = best.expect("at least one encoding is always considered");
-    EncodedChunk { encoding, n_changed: m as u32, payload }
+    EncodedChunk { encoding, mode: Mode::Free, n_changed: m as u32, payload }
 }
 
 /// Decoded changes of a chunk, ready to be applied.
@@ -485,6 +519,23 @@ pub fn decode_chunk(
 ) -> Result<DecodedChunk> {
     check_width(width)?;
     Ok(DecodedChunk { width, inner: decode(payload, n, width, encoding, n_changed, context)? })
+}
+
+/// Decode a context-mode chunk against its base bytes (the target's current
+/// bytes for this chunk, which must be the delta's base).
+pub fn decode_chunk_context(
+    payload: &[u8],
+    base: &[u8],
+    width: usize,
+    model: &context::ContextModel,
+    n_changed: u32,
+    kind: ChangeKind,
+    context_name: &str,
+) -> Result<DecodedChunk> {
+    check_width(width)?;
+    let ch = context::decode(payload, base, model, n_changed, kind, context_name)?;
+    let planes = planes_of(ch.values.iter().copied(), width);
+    Ok(DecodedChunk { width, inner: Decoded::Sparse { positions: ch.positions, planes } })
 }
 
 impl DecodedChunk {
