@@ -10,11 +10,14 @@
 //!   is chosen per context (or, in dense contexts, one flag bit per element).
 //! - **Values**: the distance between old and new in representable steps
 //!   (ulps; exact integer arithmetic on an order-preserving map of the bit
-//!   pattern), zigzag + varint, in element order, through zstd.
+//!   pattern), in element order, through an adaptive binary range coder
+//!   whose probabilities are kept per context (sign also by the old sign;
+//!   magnitude in unary, escaping to Elias-gamma).
 //!
 //! One pass over the chunk on each side, no sorting. Exact for every bit
 //! pattern: the ordinal map is a bijection on words.
 
+use super::range::{RangeDecoder, RangeEncoder, PROB_INIT};
 use super::streams::{get_varint, put_stream, put_varint, StreamReader};
 use super::{ChangeKind, SparseChanges};
 use crate::dtype::DType;
@@ -85,20 +88,71 @@ impl ContextModel {
         self.ordinal(ord) // the map is an involution
     }
 
-    /// Zigzag of the signed step from old to new, in w-bit arithmetic.
+    /// The signed step from old to new in representable values, in w-bit
+    /// two's-complement arithmetic.
     #[inline(always)]
-    fn step(&self, old: u64, new: u64) -> u64 {
+    fn step(&self, old: u64, new: u64) -> i64 {
         let bits = self.bits();
         let d = self.ordinal(new).wrapping_sub(self.ordinal(old)) & self.word_mask();
-        // sign-extend to i64
-        let signed = ((d << (64 - bits)) as i64) >> (64 - bits);
-        ((signed << 1) ^ (signed >> 63)) as u64
+        ((d << (64 - bits)) as i64) >> (64 - bits)
     }
 
     #[inline(always)]
-    fn apply_step(&self, old: u64, zz: u64) -> u64 {
-        let signed = ((zz >> 1) as i64) ^ -((zz & 1) as i64);
-        self.from_ordinal(self.ordinal(old).wrapping_add(signed as u64) & self.word_mask())
+    fn apply_step(&self, old: u64, step: i64) -> u64 {
+        self.from_ordinal(self.ordinal(old).wrapping_add(step as u64) & self.word_mask())
+    }
+
+    #[inline(always)]
+    fn sign(&self, word: u64) -> usize {
+        ((word >> (self.bits() - 1)) & 1) as usize
+    }
+}
+
+/// Adaptive probabilities of the ulp steps, per context.
+const UNARY: usize = 8;
+
+struct StepModel {
+    sign: Vec<[u16; 2]>,
+    magnitude: Vec<[u16; UNARY]>,
+}
+
+impl StepModel {
+    fn new(contexts: usize) -> Self {
+        StepModel { sign: vec![[PROB_INIT; 2]; contexts], magnitude: vec![[PROB_INIT; UNARY]; contexts] }
+    }
+
+    fn encode(&mut self, rc: &mut RangeEncoder, ctx: usize, old_sign: usize, step: i64) {
+        rc.bit(&mut self.sign[ctx][old_sign], step < 0);
+        let v = step.unsigned_abs() - 1; // steps are never 0
+        for i in 0..UNARY {
+            let more = v > i as u64;
+            rc.bit(&mut self.magnitude[ctx][i], more);
+            if !more {
+                return;
+            }
+        }
+        let r = v - UNARY as u64 + 1;
+        let nbits = 64 - r.leading_zeros();
+        rc.direct(u64::from(nbits), 7);
+        rc.direct(r, nbits - 1);
+    }
+
+    fn decode(&mut self, rc: &mut RangeDecoder<'_>, ctx: usize, old_sign: usize) -> Option<i64> {
+        let negative = rc.bit(&mut self.sign[ctx][old_sign]);
+        let mut v = 0u64;
+        while (v as usize) < UNARY && rc.bit(&mut self.magnitude[ctx][v as usize]) {
+            v += 1;
+        }
+        if v as usize == UNARY {
+            let nbits = rc.direct(7) as u32;
+            if nbits == 0 || nbits > 64 {
+                return None;
+            }
+            let r = (1u64 << (nbits - 1)) | rc.direct(nbits - 1);
+            v = r.checked_add(UNARY as u64 - 1)?;
+        }
+        let a = v.checked_add(1)?;
+        Some(if negative { (a as i64).wrapping_neg() } else { a as i64 })
     }
 }
 
@@ -229,7 +283,8 @@ pub fn encode(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextMo
     let mut next_free = vec![0u32; nctx]; // subsequence index after the last change
     let mut gaps: Vec<Vec<u32>> = vec![Vec::new(); nctx];
     let mut flags_needed = vec![false; nctx];
-    let mut values = Vec::with_capacity(changes.positions.len() * 2);
+    let mut steps = StepModel::new(nctx);
+    let mut rc = RangeEncoder::default();
     let mut ptr = 0usize;
     let positions = &changes.positions;
     // One pass: count each context's elements; at a change, record its gap
@@ -249,7 +304,7 @@ pub fn encode(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextMo
         gaps[c].push(seen[c] - next_free[c]);
         seen[c] += 1;
         next_free[c] = seen[c];
-        put_varint(&mut values, model.step(o, load(new, stop, w)));
+        steps.encode(&mut rc, c, model.sign(o), model.step(o, load(new, stop, w)));
         ptr += 1;
         run_start = stop + 1;
     }
@@ -301,6 +356,7 @@ pub fn encode(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextMo
         prev_ctx = c;
         listed += 1;
     }
+    let values = rc.finish();
     let mut out = Vec::new();
     put_varint(&mut out, listed);
     put_stream(&mut out, &table, level);
@@ -338,7 +394,7 @@ pub fn decode(
     let mut r = StreamReader::new(&payload[pos..], context);
     let table = r.next("context table", 0, listed * 32)?;
     let body = r.next("positions", 0, n.div_ceil(8) + m * 9 + listed)?;
-    let values = r.next("ulp steps", m, m * 10)?;
+    let values = r.next("ulp steps", 5, m * 24 + 5)?;
     r.finish()?;
 
     let mut states: Vec<CtxState<'_>> = (0..nctx).map(|_| CtxState::Absent).collect();
@@ -371,7 +427,8 @@ pub fn decode(
         return Err(bad("context table does not match the chunk's change count"));
     }
     let mut out = SparseChanges { positions: Vec::with_capacity(m), values: Vec::with_capacity(m) };
-    let mut vpos = 0usize;
+    let mut steps = StepModel::new(nctx);
+    let mut rc = RangeDecoder::new(&values).ok_or_else(|| bad("ulp step stream too short"))?;
     for i in 0..n {
         let o = load(old, i, w);
         let changed = match &mut states[model.context(o)] {
@@ -401,8 +458,12 @@ pub fn decode(
             }
         };
         if changed {
-            let zz = get_varint(&values, &mut vpos, 10).ok_or_else(|| bad("ulp stream ends early"))?;
-            let new = model.apply_step(o, zz);
+            let c = model.context(o);
+            let step = steps.decode(&mut rc, c, model.sign(o)).ok_or_else(|| bad("bad ulp step"))?;
+            if rc.overrun() {
+                return Err(bad("ulp step stream ends early"));
+            }
+            let new = model.apply_step(o, step);
             if new == o {
                 return Err(bad("a listed change does not change its element"));
             }
@@ -417,7 +478,7 @@ pub fn decode(
         CtxState::Absent => false,
         CtxState::Rice { remaining, .. } | CtxState::Flags { remaining, .. } => *remaining > 0,
     });
-    if leftover || out.positions.len() != m || vpos != values.len() {
+    if leftover || out.positions.len() != m {
         return Err(bad("positions or steps left over after the last element"));
     }
     Ok(out)
@@ -432,7 +493,7 @@ mod tests {
         let m = ContextModel::for_dtype(DType(Dtype::BF16));
         for a in (0u64..65536).step_by(7) {
             assert_eq!(m.from_ordinal(m.ordinal(a)), a);
-            for b in [a, a ^ 1, a ^ 0x8000, (a + 3) & 0xffff, 0x7fc1, 0xffff, 0] {
+            for b in [a ^ 1, a ^ 0x8000, (a + 3) & 0xffff, 0x7fc1, 0xffff, 0] {
                 assert_eq!(m.apply_step(a, m.step(a, b)), b, "{a:#x} -> {b:#x}");
             }
         }

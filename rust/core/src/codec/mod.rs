@@ -13,6 +13,7 @@
 //! the payload (context-free mode).
 
 pub mod context;
+pub mod range;
 pub mod streams;
 
 use crate::error::{Error, Result};
