@@ -210,6 +210,11 @@ async fn serve_connection(shared: Arc<Shared>, tcp: TcpStream, peer: String, mut
                 return Err(Error::PeerClosed { peer: peer.clone(), during: "the handshake".into() });
             }
             let r = conn.process();
+            if let Err(e @ Error::AuthRefused { .. }) = &r {
+                // Log before the refusal leaves, so the log is complete when the peer sees it.
+                shared.metrics.refusals.fetch_add(1, Relaxed);
+                warn!(node = %cfg.node_id, %peer, reason = %e, "connection refused");
+            }
             if let Some(b) = conn.poll_transmit() {
                 write_bytes(&mut wr, &b).await.map_err(|e| Error::io("writing the handshake", e))?;
             }
@@ -224,10 +229,7 @@ async fn serve_connection(shared: Arc<Shared>, tcp: TcpStream, peer: String, mut
         r = hs => match r {
             Ok(Ok(x)) => x,
             Ok(Err(e)) => {
-                if matches!(e, Error::AuthRefused { .. }) {
-                    shared.metrics.refusals.fetch_add(1, Relaxed);
-                    warn!(node = %cfg.node_id, %peer, reason = %e, "connection refused");
-                } else {
+                if !matches!(e, Error::AuthRefused { .. }) {
                     debug!(%peer, error = %e, "handshake failed");
                 }
                 return;
@@ -245,7 +247,7 @@ async fn serve_connection(shared: Arc<Shared>, tcp: TcpStream, peer: String, mut
         Role::Publisher if !cfg.parents.is_empty() => {
             shared.metrics.refusals.fetch_add(1, Relaxed);
             let reason = "this relay has parents; publish to the root relay (the one started without --parent)";
-            warn!(%peer, "publisher refused: {reason}");
+            warn!(node = %cfg.node_id, %peer, "connection refused: publisher on a non-root relay: {reason}");
             let _ = write_msg(&mut wr, &Message::Error { code: code::ROLE_REFUSED, reason: reason.into() }).await;
             let _ = wr.shutdown().await;
             return;
