@@ -116,17 +116,26 @@ pub enum Error {
 impl Error {
     /// Wrap an `io::Error` with context.
     pub fn io(during: impl Into<String>, source: io::Error) -> Self {
-        Error::Io { during: during.into(), source }
+        Error::Io {
+            during: during.into(),
+            source,
+        }
     }
 
     /// Shorthand for a protocol violation.
     pub fn protocol(expected: impl Into<String>, found: impl Into<String>) -> Self {
-        Error::Protocol { expected: expected.into(), found: found.into() }
+        Error::Protocol {
+            expected: expected.into(),
+            found: found.into(),
+        }
     }
 
     /// Whether a subscriber should try another parent after this error
     /// (as opposed to giving up: a refusal by the application callback).
     pub fn is_retryable(&self) -> bool {
-        !matches!(self, Error::Callback { .. } | Error::Config(_) | Error::Closed(_))
+        !matches!(
+            self,
+            Error::Callback { .. } | Error::Config(_) | Error::Closed(_)
+        )
     }
 }

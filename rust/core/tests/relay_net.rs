@@ -6,7 +6,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use dcr_core::error::Error;
-use dcr_core::net::{publish_stream, BlockingPublisher, ClientTls, PublishConfig, RelayConfig, ServerTls};
+use dcr_core::net::{
+    publish_stream, BlockingPublisher, ClientTls, PublishConfig, RelayConfig, ServerTls,
+};
 use dcr_core::relay::PreSharedKey;
 use relay_common::*;
 
@@ -41,7 +43,14 @@ fn two_level_tree_delivers_every_blob_once_in_order_and_collects_acks() {
         assert_eq!(seen, want, "sub {i}");
         assert_eq!((d.version, d.count), (2, n));
         let ok = i != 5;
-        sub.unwrap().ack([i as u8; 16], ok, if ok { "" } else { "digest mismatch on layer 3" }, Duration::from_secs(10)).unwrap();
+        sub.unwrap()
+            .ack(
+                [i as u8; 16],
+                ok,
+                if ok { "" } else { "digest mismatch on layer 3" },
+                Duration::from_secs(10),
+            )
+            .unwrap();
     }
     let acks = p.wait_acks(6, Duration::from_secs(30)).unwrap();
     assert!(acks.complete, "{acks:?}");
@@ -50,7 +59,10 @@ fn two_level_tree_delivers_every_blob_once_in_order_and_collects_acks() {
     assert_eq!(acks.failed[0].node_id, "sub-5");
     assert_eq!(acks.failed[0].reason, "digest mismatch on layer 3");
     assert!(!acks.all_committed());
-    assert_eq!(root.metrics.acks.load(std::sync::atomic::Ordering::Relaxed), 6);
+    assert_eq!(
+        root.metrics.acks.load(std::sync::atomic::Ordering::Relaxed),
+        6
+    );
 }
 
 #[test]
@@ -60,12 +72,20 @@ fn relay_shutdown_mid_stream_children_fail_over_and_complete() {
     let b = TestRelay::start(relay_cfg("b", &[&root.addr]));
     let subs: Vec<_> = (0..4)
         .map(|i| {
-            let (first, second) = if i < 2 { (&a.addr, &b.addr) } else { (&b.addr, &root.addr) };
-            spawn_sub(sub_cfg(&format!("sub-{i}"), &[first, second, &root.addr]), None)
+            let (first, second) = if i < 2 {
+                (&a.addr, &b.addr)
+            } else {
+                (&b.addr, &root.addr)
+            };
+            spawn_sub(
+                sub_cfg(&format!("sub-{i}"), &[first, second, &root.addr]),
+                None,
+            )
         })
         .collect();
     let n = 30u32;
-    let mut p = BlockingPublisher::connect(pub_cfg(&root.addr), 7, &b"0123456789abcdefH"[..]).unwrap();
+    let mut p =
+        BlockingPublisher::connect(pub_cfg(&root.addr), 7, &b"0123456789abcdefH"[..]).unwrap();
     for i in 0..15 {
         p.send(chunk(i, chunk_len(i))).unwrap();
     }
@@ -102,17 +122,29 @@ fn slow_subscriber_does_not_stall_siblings() {
         if seq == 1 {
             let (m, c) = &*r2;
             let g = m.lock().unwrap();
-            let (g, t) = c.wait_timeout_while(g, Duration::from_secs(60), |r| !*r).unwrap();
+            let (g, t) = c
+                .wait_timeout_while(g, Duration::from_secs(60), |r| !*r)
+                .unwrap();
             assert!(*g && !t.timed_out(), "released in time");
         }
     });
     let slow = spawn_sub(sub_cfg("slow", &[&root.addr]), Some(gate));
-    let fast: Vec<_> = (0..3).map(|i| spawn_sub(sub_cfg(&format!("fast-{i}"), &[&root.addr]), None)).collect();
+    let fast: Vec<_> = (0..3)
+        .map(|i| spawn_sub(sub_cfg(&format!("fast-{i}"), &[&root.addr]), None))
+        .collect();
     let header = b"0123456789abcdef".to_vec();
     let h2 = header.clone();
     let raddr = root.addr.clone();
     let publisher = std::thread::spawn(move || {
-        publish_stream(pub_cfg(&raddr), 1, h2, (0..n).map(|i| chunk(i, chunk_len(i))), Vec::new(), 0, Duration::ZERO)
+        publish_stream(
+            pub_cfg(&raddr),
+            1,
+            h2,
+            (0..n).map(|i| chunk(i, chunk_len(i))),
+            Vec::new(),
+            0,
+            Duration::ZERO,
+        )
     });
     let want = expected(n, &header, b"");
     for f in fast {
@@ -139,7 +171,9 @@ fn wrong_or_missing_key_is_refused() {
     c.max_rounds = 1;
     let (r, seen, _) = spawn_sub(c, None).finish();
     match r {
-        Err(Error::AllParentsFailed { last, .. }) => assert!(matches!(*last, Error::AuthRefused { .. }), "{last}"),
+        Err(Error::AllParentsFailed { last, .. }) => {
+            assert!(matches!(*last, Error::AuthRefused { .. }), "{last}")
+        }
         other => panic!("{other:?}"),
     }
     assert_eq!(seen, Seen::default());
@@ -161,9 +195,16 @@ fn wrong_or_missing_key_is_refused() {
     // A publisher with a wrong key.
     let mut pc = pub_cfg(&root.addr);
     pc.key = Some(PreSharedKey::new(b"not-the-right-key-000000").unwrap());
-    let e = BlockingPublisher::connect(pc, 1, &b"0123456789abcdef"[..]).err().expect("refused");
+    let e = BlockingPublisher::connect(pc, 1, &b"0123456789abcdef"[..])
+        .err()
+        .expect("refused");
     assert!(matches!(e, Error::AuthRefused { .. }), "{e}");
-    assert!(root.metrics.refusals.load(std::sync::atomic::Ordering::Relaxed) >= 2);
+    assert!(
+        root.metrics
+            .refusals
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 2
+    );
 }
 
 #[test]
@@ -171,12 +212,20 @@ fn publisher_refused_by_non_root_relay() {
     let root = TestRelay::start(relay_cfg("root", &[]));
     let a = TestRelay::start(relay_cfg("a", &[&root.addr]));
     // The refusal comes right after authentication: at connect, or at the latest on finish.
-    let r = BlockingPublisher::connect(pub_cfg(&a.addr), 1, &b"0123456789abcdef"[..]).and_then(|mut p| {
-        (0..1000).try_for_each(|i| p.send(chunk(i, 100)).map(|_| ()))?;
-        p.finish(Vec::new()).map(|_| ())
-    });
+    let r = BlockingPublisher::connect(pub_cfg(&a.addr), 1, &b"0123456789abcdef"[..]).and_then(
+        |mut p| {
+            (0..1000).try_for_each(|i| p.send(chunk(i, 100)).map(|_| ()))?;
+            p.finish(Vec::new()).map(|_| ())
+        },
+    );
     let e = r.unwrap_err();
-    assert!(matches!(e, Error::Remote { code: 6, .. } | Error::PeerClosed { .. } | Error::Io { .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::Remote { code: 6, .. } | Error::PeerClosed { .. } | Error::Io { .. }
+        ),
+        "{e}"
+    );
 }
 
 #[test]
@@ -186,15 +235,31 @@ fn dense_frames_of_4_mib_with_spill_and_bounded_memory() {
     cfg.store.retention_bytes = 8 << 20;
     cfg.spill_dir = Some(dir.path().to_path_buf());
     let root = TestRelay::start(cfg);
-    let mid = TestRelay::start(RelayConfig { store: dcr_core::relay::StoreConfig { retention_bytes: 8 << 20, keep_versions: 2 }, ..relay_cfg("mid", &[&root.addr]) });
+    let mid = TestRelay::start(RelayConfig {
+        store: dcr_core::relay::StoreConfig {
+            retention_bytes: 8 << 20,
+            keep_versions: 2,
+        },
+        ..relay_cfg("mid", &[&root.addr])
+    });
     let n = 10u32;
     let big = |i: u32| chunk(i, 4 << 20);
-    let subs: Vec<_> = (0..2).map(|i| spawn_sub(sub_cfg(&format!("s{i}"), &[&mid.addr, &root.addr]), None)).collect();
+    let subs: Vec<_> = (0..2)
+        .map(|i| spawn_sub(sub_cfg(&format!("s{i}"), &[&mid.addr, &root.addr]), None))
+        .collect();
     let raddr = root.addr.clone();
     let publisher = std::thread::spawn(move || {
         let mut c = pub_cfg(&raddr);
         c.queue_depth = 2;
-        publish_stream(c, 3, &b"0123456789abcdef"[..], (0..n).map(big), Vec::new(), 2, Duration::from_secs(60))
+        publish_stream(
+            c,
+            3,
+            &b"0123456789abcdef"[..],
+            (0..n).map(big),
+            Vec::new(),
+            2,
+            Duration::from_secs(60),
+        )
     });
     for s in subs {
         let (r, seen, sub) = s.finish();
@@ -203,7 +268,9 @@ fn dense_frames_of_4_mib_with_spill_and_bounded_memory() {
         for (i, (seq, crc)) in seen.chunks.iter().enumerate() {
             assert_eq!((*seq, *crc), (i as u32, crc32c::crc32c(&big(i as u32))));
         }
-        sub.unwrap().ack([1; 16], true, "", Duration::from_secs(10)).unwrap();
+        sub.unwrap()
+            .ack([1; 16], true, "", Duration::from_secs(10))
+            .unwrap();
     }
     let rep = publisher.join().unwrap().unwrap();
     assert_eq!((rep.chunks, rep.bytes), (n, u64::from(n) * (4 << 20)));
@@ -212,9 +279,18 @@ fn dense_frames_of_4_mib_with_spill_and_bounded_memory() {
     root.relay.refresh_metrics();
     mid.relay.refresh_metrics();
     for r in [&root, &mid] {
-        let spilled = r.metrics.spilled_chunks.load(std::sync::atomic::Ordering::Relaxed);
-        let evicted = r.metrics.evicted_chunks.load(std::sync::atomic::Ordering::Relaxed);
-        assert!(spilled + evicted >= u64::from(n) - 2, "spilled {spilled} evicted {evicted}");
+        let spilled = r
+            .metrics
+            .spilled_chunks
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let evicted = r
+            .metrics
+            .evicted_chunks
+            .load(std::sync::atomic::Ordering::Relaxed);
+        assert!(
+            spilled + evicted >= u64::from(n) - 2,
+            "spilled {spilled} evicted {evicted}"
+        );
     }
 }
 
@@ -222,7 +298,16 @@ fn dense_frames_of_4_mib_with_spill_and_bounded_memory() {
 fn late_subscriber_resumes_from_retention() {
     let root = TestRelay::start(relay_cfg("root", &[]));
     let n = 20u32;
-    let rep = publish_stream(pub_cfg(&root.addr), 4, &b"0123456789abcdef"[..], (0..n).map(|i| chunk(i, chunk_len(i))), &b"t"[..], 0, Duration::ZERO).unwrap();
+    let rep = publish_stream(
+        pub_cfg(&root.addr),
+        4,
+        &b"0123456789abcdef"[..],
+        (0..n).map(|i| chunk(i, chunk_len(i))),
+        &b"t"[..],
+        0,
+        Duration::ZERO,
+    )
+    .unwrap();
     assert_eq!(rep.chunks, n);
     let mut c = sub_cfg("late", &[&root.addr]);
     c.from_version = 4;
@@ -237,9 +322,12 @@ fn corrupting_proxy(target: String, flip_at: usize) -> String {
     let addr = l.local_addr().unwrap().to_string();
     std::thread::spawn(move || {
         use std::io::{Read, Write};
-        let Ok((mut down, _)) = l.accept() else { return };
+        let Ok((mut down, _)) = l.accept() else {
+            return;
+        };
         let mut up = std::net::TcpStream::connect(&target).unwrap();
-        down.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        down.set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
         up.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
         let (mut d2, mut u2) = (down.try_clone().unwrap(), up.try_clone().unwrap());
         std::thread::spawn(move || {
@@ -273,7 +361,16 @@ fn corrupting_proxy(target: String, flip_at: usize) -> String {
 fn corrupted_bytes_are_detected_and_refetched_from_another_parent() {
     let root = TestRelay::start(relay_cfg("root", &[]));
     let n = 20u32;
-    publish_stream(pub_cfg(&root.addr), 1, &b"0123456789abcdef"[..], (0..n).map(|i| chunk(i, 10_000)), Vec::new(), 0, Duration::ZERO).unwrap();
+    publish_stream(
+        pub_cfg(&root.addr),
+        1,
+        &b"0123456789abcdef"[..],
+        (0..n).map(|i| chunk(i, 10_000)),
+        Vec::new(),
+        0,
+        Duration::ZERO,
+    )
+    .unwrap();
     // Byte 50_000 of the relay's output lies inside a chunk body (chunks are 10 kB).
     let bad = corrupting_proxy(root.addr.clone(), 50_000);
     let (r, seen, _) = spawn_sub(sub_cfg("s", &[&bad, &root.addr]), None).finish();
@@ -282,7 +379,10 @@ fn corrupted_bytes_are_detected_and_refetched_from_another_parent() {
     assert_eq!(d.parent, root.addr);
     assert_eq!(seen.chunks.len(), n as usize);
     for (i, (seq, crc)) in seen.chunks.iter().enumerate() {
-        assert_eq!((*seq, *crc), (i as u32, crc32c::crc32c(&chunk(i as u32, 10_000))));
+        assert_eq!(
+            (*seq, *crc),
+            (i as u32, crc32c::crc32c(&chunk(i as u32, 10_000)))
+        );
     }
 }
 
@@ -293,9 +393,15 @@ fn tls_files(dir: &std::path::Path) -> (std::path::PathBuf, [std::path::PathBuf;
     ca_p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     let ca = ca_p.self_signed(&ca_key).unwrap();
     let srv_key = KeyPair::generate().unwrap();
-    let srv = CertificateParams::new(vec!["127.0.0.1".into(), "localhost".into()]).unwrap().signed_by(&srv_key, &ca, &ca_key).unwrap();
+    let srv = CertificateParams::new(vec!["127.0.0.1".into(), "localhost".into()])
+        .unwrap()
+        .signed_by(&srv_key, &ca, &ca_key)
+        .unwrap();
     let cli_key = KeyPair::generate().unwrap();
-    let cli = CertificateParams::new(vec!["client".into()]).unwrap().signed_by(&cli_key, &ca, &ca_key).unwrap();
+    let cli = CertificateParams::new(vec!["client".into()])
+        .unwrap()
+        .signed_by(&cli_key, &ca, &ca_key)
+        .unwrap();
     let w = |n: &str, s: String| {
         let p = dir.join(n);
         std::fs::write(&p, s).unwrap();
@@ -303,7 +409,12 @@ fn tls_files(dir: &std::path::Path) -> (std::path::PathBuf, [std::path::PathBuf;
     };
     (
         w("ca.pem", ca.pem()),
-        [w("srv.pem", srv.pem()), w("srv.key", srv_key.serialize_pem()), w("cli.pem", cli.pem()), w("cli.key", cli_key.serialize_pem())],
+        [
+            w("srv.pem", srv.pem()),
+            w("srv.key", srv_key.serialize_pem()),
+            w("cli.pem", cli.pem()),
+            w("cli.key", cli_key.serialize_pem()),
+        ],
     )
 }
 
@@ -325,7 +436,16 @@ fn mutual_tls_with_key() {
     let nocert = spawn_sub(nc, None);
     let mut pc = pub_cfg(&root.addr);
     pc.tls = Some(ctls);
-    publish_stream(pc, 1, &b"0123456789abcdef"[..], (0..5).map(|i| chunk(i, chunk_len(i))), Vec::new(), 0, Duration::ZERO).unwrap();
+    publish_stream(
+        pc,
+        1,
+        &b"0123456789abcdef"[..],
+        (0..5).map(|i| chunk(i, chunk_len(i))),
+        Vec::new(),
+        0,
+        Duration::ZERO,
+    )
+    .unwrap();
     let (r, seen, _) = s.finish();
     r.unwrap();
     assert_eq!(seen, expected(5, b"0123456789abcdef", b""));
@@ -343,7 +463,16 @@ fn successive_versions_through_a_follower_relay() {
         c.from_version = v;
         let s = spawn_sub(c, None);
         let n = 3 + v as u32;
-        publish_stream(pub_cfg(&root.addr), v, vec![v as u8; 16], (0..n).map(|i| chunk(i, chunk_len(i))), Vec::new(), 0, Duration::ZERO).unwrap();
+        publish_stream(
+            pub_cfg(&root.addr),
+            v,
+            vec![v as u8; 16],
+            (0..n).map(|i| chunk(i, chunk_len(i))),
+            Vec::new(),
+            0,
+            Duration::ZERO,
+        )
+        .unwrap();
         let (r, seen, _) = s.finish();
         assert_eq!(r.unwrap().version, v);
         assert_eq!(seen, expected(n, &[v as u8; 16], b""));

@@ -81,13 +81,23 @@ fn parse_size(s: &str) -> Result<u64, String> {
     num.parse::<u64>()
         .ok()
         .and_then(|n| n.checked_mul(mult))
-        .ok_or_else(|| format!("expected a byte count such as 1048576, 512K, 64M or 2G, found {s:?}"))
+        .ok_or_else(|| {
+            format!("expected a byte count such as 1048576, 512K, 64M or 2G, found {s:?}")
+        })
 }
 
 fn config(cli: &Cli) -> dcr_core::error::Result<RelayConfig> {
-    let key = cli.key_file.as_ref().map(PreSharedKey::from_file).transpose()?;
+    let key = cli
+        .key_file
+        .as_ref()
+        .map(PreSharedKey::from_file)
+        .transpose()?;
     let tls = match (&cli.tls_cert, &cli.tls_key) {
-        (Some(c), Some(k)) => Some(ServerTls::from_pem_files(c, k, cli.tls_client_ca.as_deref())?),
+        (Some(c), Some(k)) => Some(ServerTls::from_pem_files(
+            c,
+            k,
+            cli.tls_client_ca.as_deref(),
+        )?),
         _ => None,
     };
     let parent_tls = match &cli.parent_tls_ca {
@@ -105,12 +115,18 @@ fn config(cli: &Cli) -> dcr_core::error::Result<RelayConfig> {
         tracing::warn!("no --key-file: peers are not authenticated");
     }
     Ok(RelayConfig {
-        node_id: cli.node_id.clone().unwrap_or_else(|| net::default_node_id("relay")),
+        node_id: cli
+            .node_id
+            .clone()
+            .unwrap_or_else(|| net::default_node_id("relay")),
         key,
         tls,
         parents: cli.parents.clone(),
         parent_tls,
-        store: StoreConfig { retention_bytes: cli.retention_bytes as usize, keep_versions: cli.keep_versions.max(1) },
+        store: StoreConfig {
+            retention_bytes: cli.retention_bytes as usize,
+            keep_versions: cli.keep_versions.max(1),
+        },
         spill_dir: cli.spill_dir.clone(),
         rate_limit: cli.rate_limit,
         max_connections: cli.max_connections,
@@ -124,7 +140,8 @@ fn config(cli: &Cli) -> dcr_core::error::Result<RelayConfig> {
 async fn shutdown_signal() {
     #[cfg(unix)]
     {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}
@@ -137,7 +154,9 @@ async fn shutdown_signal() {
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
@@ -156,19 +175,30 @@ async fn real_main(cli: Cli) -> dcr_core::error::Result<()> {
     let listener = tokio::net::TcpListener::bind(&cli.listen)
         .await
         .map_err(|e| dcr_core::error::Error::io(format!("binding --listen {}", cli.listen), e))?;
-    let addr = listener.local_addr().map_err(|e| dcr_core::error::Error::io("reading the bound address", e))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| dcr_core::error::Error::io("reading the bound address", e))?;
     let relay = net::Relay::new(cfg)?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     if let Some(m) = &cli.metrics {
-        let ml = tokio::net::TcpListener::bind(m).await.map_err(|e| dcr_core::error::Error::io(format!("binding --metrics {m}"), e))?;
-        let maddr = ml.local_addr().map_err(|e| dcr_core::error::Error::io("reading the metrics address", e))?;
+        let ml = tokio::net::TcpListener::bind(m)
+            .await
+            .map_err(|e| dcr_core::error::Error::io(format!("binding --metrics {m}"), e))?;
+        let maddr = ml
+            .local_addr()
+            .map_err(|e| dcr_core::error::Error::io("reading the metrics address", e))?;
         println!("METRICS {maddr}");
         info!(addr = %maddr, "serving metrics");
         let r = relay.clone();
         let mut rx = stop_rx.clone();
-        tokio::spawn(net::serve_metrics(ml, relay.metrics(), move || r.refresh_metrics(), async move {
-            let _ = rx.wait_for(|s| *s).await;
-        }));
+        tokio::spawn(net::serve_metrics(
+            ml,
+            relay.metrics(),
+            move || r.refresh_metrics(),
+            async move {
+                let _ = rx.wait_for(|s| *s).await;
+            },
+        ));
     }
     println!("LISTENING {addr}");
     let _ = std::io::stdout().flush();

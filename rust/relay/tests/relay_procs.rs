@@ -11,7 +11,9 @@ use std::thread;
 use std::time::Duration;
 
 use dcr_core::error::Error;
-use dcr_core::net::{self, BlockingPublisher, Delivered, PublishConfig, SubscribeConfig, Subscription};
+use dcr_core::net::{
+    self, BlockingPublisher, Delivered, PublishConfig, SubscribeConfig, Subscription,
+};
 use dcr_core::relay::PreSharedKey;
 
 const KEY: &[u8] = b"process-test-key-0123456789abcdef";
@@ -27,14 +29,25 @@ impl Relay {
     fn start(dir: &Path, name: &str, key_file: &Path, parents: &[&str], extra: &[&str]) -> Relay {
         let log = dir.join(format!("{name}.log"));
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_dcr-relay"));
-        cmd.args(["--listen", "127.0.0.1:0", "--node-id", name, "--heartbeat-ms", "300", "--idle-timeout-ms", "3000"])
-            .arg("--key-file")
-            .arg(key_file);
+        cmd.args([
+            "--listen",
+            "127.0.0.1:0",
+            "--node-id",
+            name,
+            "--heartbeat-ms",
+            "300",
+            "--idle-timeout-ms",
+            "3000",
+        ])
+        .arg("--key-file")
+        .arg(key_file);
         for p in parents {
             cmd.args(["--parent", p]);
         }
         cmd.args(extra);
-        cmd.stdout(Stdio::piped()).stderr(std::fs::File::create(&log).unwrap()).env("RUST_LOG", "info");
+        cmd.stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .env("RUST_LOG", "info");
         let mut child = cmd.spawn().expect("spawn dcr-relay");
         let out = child.stdout.take().unwrap();
         let (tx, rx) = mpsc::channel();
@@ -48,14 +61,24 @@ impl Relay {
         });
         let mut metrics = None;
         loop {
-            let line = rx.recv_timeout(Duration::from_secs(30)).unwrap_or_else(|_| {
-                panic!("{name} did not start: {}", std::fs::read_to_string(&log).unwrap_or_default())
-            });
+            let Ok(line) = rx.recv_timeout(Duration::from_secs(30)) else {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "{name} did not start: {}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                );
+            };
             if let Some(a) = line.strip_prefix("METRICS ") {
                 metrics = Some(a.to_string());
             }
             if let Some(a) = line.strip_prefix("LISTENING ") {
-                return Relay { child, addr: a.to_string(), metrics, log };
+                return Relay {
+                    child,
+                    addr: a.to_string(),
+                    metrics,
+                    log,
+                };
             }
         }
     }
@@ -121,7 +144,13 @@ fn len_of(i: u32) -> usize {
 type Seen = (Vec<u8>, Vec<(u32, u32)>, Option<(u32, Vec<u8>)>);
 
 fn expected(n: u32, header: &[u8], trailer: &[u8]) -> Seen {
-    (header.to_vec(), (0..n).map(|i| (i, crc32c::crc32c(&chunk(i, len_of(i))))).collect(), Some((n, trailer.to_vec())))
+    (
+        header.to_vec(),
+        (0..n)
+            .map(|i| (i, crc32c::crc32c(&chunk(i, len_of(i)))))
+            .collect(),
+        Some((n, trailer.to_vec())),
+    )
 }
 
 struct Sub {
@@ -166,20 +195,33 @@ fn spawn_sub(cfg: SubscribeConfig, gate: Option<Arc<dyn Fn(u32) + Send + Sync>>)
 impl Sub {
     fn wait_chunk(&self, seq: u32) {
         loop {
-            if self.progress.recv_timeout(Duration::from_secs(30)).expect("progress in time") >= seq {
+            if self
+                .progress
+                .recv_timeout(Duration::from_secs(30))
+                .expect("progress in time")
+                >= seq
+            {
                 return;
             }
         }
     }
     fn finish(self) -> (Result<Delivered, Error>, Seen, Option<Subscription>) {
-        self.done.recv_timeout(Duration::from_secs(90)).expect("subscriber finishes in time")
+        self.done
+            .recv_timeout(Duration::from_secs(90))
+            .expect("subscriber finishes in time")
     }
 }
 
 #[test]
 fn publisher_two_level_tree_six_subscribers_with_acks() {
     let (dir, key_file) = setup();
-    let root = Relay::start(dir.path(), "root", &key_file, &[], &["--metrics", "127.0.0.1:0"]);
+    let root = Relay::start(
+        dir.path(),
+        "root",
+        &key_file,
+        &[],
+        &["--metrics", "127.0.0.1:0"],
+    );
     let a = Relay::start(dir.path(), "a", &key_file, &[&root.addr], &[]);
     let b = Relay::start(dir.path(), "b", &key_file, &[&root.addr], &[]);
     let subs: Vec<_> = (0..6)
@@ -200,24 +242,35 @@ fn publisher_two_level_tree_six_subscribers_with_acks() {
         let (r, seen, sub) = s.finish();
         r.unwrap_or_else(|e| panic!("sub {i}: {e}"));
         assert_eq!(seen, want, "sub {i}");
-        sub.unwrap().ack([9; 16], true, "", Duration::from_secs(10)).unwrap();
+        sub.unwrap()
+            .ack([9; 16], true, "", Duration::from_secs(10))
+            .unwrap();
     }
     let acks = p.wait_acks(6, Duration::from_secs(30)).unwrap();
     assert!(acks.all_committed(), "{acks:?}");
     let mut ids: Vec<_> = acks.committed.iter().map(|a| a.node_id.clone()).collect();
     ids.sort();
-    assert_eq!(ids, (0..6).map(|i| format!("rollout-{i}")).collect::<Vec<_>>());
+    assert_eq!(
+        ids,
+        (0..6).map(|i| format!("rollout-{i}")).collect::<Vec<_>>()
+    );
     // Metrics over plain HTTP.
     let mut s = std::net::TcpStream::connect(root.metrics.as_ref().unwrap()).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
     let mut body = String::new();
     s.read_to_string(&mut body).unwrap();
     assert!(body.starts_with("HTTP/1.1 200 OK"), "{body}");
     assert!(body.contains("dcr_relay_children 2"), "{body}");
     assert!(body.contains("dcr_relay_acks_total 6"), "{body}");
     assert!(body.contains("dcr_relay_latest_version 10"), "{body}");
-    let out: u64 = body.lines().find_map(|l| l.strip_prefix("dcr_relay_bytes_out_total ")).unwrap().parse().unwrap();
+    let out: u64 = body
+        .lines()
+        .find_map(|l| l.strip_prefix("dcr_relay_bytes_out_total "))
+        .unwrap()
+        .parse()
+        .unwrap();
     let total: u64 = (0..n).map(|i| len_of(i) as u64).sum();
     assert!(out >= 2 * total, "{out} < 2 x {total}");
 }
@@ -230,7 +283,11 @@ fn relay_killed_mid_stream_children_fail_over_and_complete() {
     let b = Relay::start(dir.path(), "b", &key_file, &[&root.addr], &[]);
     let subs: Vec<_> = (0..6)
         .map(|i| {
-            let p: Vec<&str> = if i < 3 { vec![&a.addr, &b.addr, &root.addr] } else { vec![&b.addr, &root.addr] };
+            let p: Vec<&str> = if i < 3 {
+                vec![&a.addr, &b.addr, &root.addr]
+            } else {
+                vec![&b.addr, &root.addr]
+            };
             spawn_sub(sub_cfg(&format!("s{i}"), &p), None)
         })
         .collect();
@@ -266,26 +323,49 @@ fn slow_subscriber_does_not_stall_siblings() {
     let (dir, key_file) = setup();
     let root = Relay::start(dir.path(), "root", &key_file, &[], &[]);
     let spill = dir.path().join("spill");
-    let mid = Relay::start(dir.path(), "mid", &key_file, &[&root.addr], &["--retention-bytes", "64K", "--spill-dir", spill.to_str().unwrap()]);
+    let mid = Relay::start(
+        dir.path(),
+        "mid",
+        &key_file,
+        &[&root.addr],
+        &[
+            "--retention-bytes",
+            "64K",
+            "--spill-dir",
+            spill.to_str().unwrap(),
+        ],
+    );
     let release = Arc::new((Mutex::new(false), Condvar::new()));
     let r2 = release.clone();
     let gate: Arc<dyn Fn(u32) + Send + Sync> = Arc::new(move |seq| {
         if seq == 2 {
             let (m, c) = &*r2;
             let g = m.lock().unwrap();
-            let (g, _) = c.wait_timeout_while(g, Duration::from_secs(60), |r| !*r).unwrap();
+            let (g, _) = c
+                .wait_timeout_while(g, Duration::from_secs(60), |r| !*r)
+                .unwrap();
             assert!(*g, "released in time");
         }
     });
     let mut sc = sub_cfg("slow", &[&mid.addr]);
     sc.idle_timeout = Duration::from_secs(120); // its own callback holds it, not the parent
     let slow = spawn_sub(sc, Some(gate));
-    let fast: Vec<_> = (0..3).map(|i| spawn_sub(sub_cfg(&format!("fast{i}"), &[&mid.addr]), None)).collect();
+    let fast: Vec<_> = (0..3)
+        .map(|i| spawn_sub(sub_cfg(&format!("fast{i}"), &[&mid.addr]), None))
+        .collect();
     let n = 80u32;
     let header = b"0123456789abcdef".to_vec();
     let (h2, raddr) = (header.clone(), root.addr.clone());
     let publisher = thread::spawn(move || {
-        net::publish_stream(pub_cfg(&raddr), 5, h2, (0..n).map(|i| chunk(i, len_of(i))), Vec::new(), 0, Duration::ZERO)
+        net::publish_stream(
+            pub_cfg(&raddr),
+            5,
+            h2,
+            (0..n).map(|i| chunk(i, len_of(i))),
+            Vec::new(),
+            0,
+            Duration::ZERO,
+        )
     });
     let want = expected(n, &header, b"");
     for f in fast {
@@ -293,12 +373,19 @@ fn slow_subscriber_does_not_stall_siblings() {
         r.unwrap();
         assert_eq!(seen, want);
     }
-    assert_eq!(slow.progress.try_iter().max(), Some(1), "the slow one is still held at chunk 2");
+    assert_eq!(
+        slow.progress.try_iter().max(),
+        Some(1),
+        "the slow one is still held at chunk 2"
+    );
     *release.0.lock().unwrap() = true;
     release.1.notify_all();
     let (r, seen, _) = slow.finish();
     r.unwrap();
-    assert_eq!(seen, want, "the slow one then gets everything (from the spilled retention window)");
+    assert_eq!(
+        seen, want,
+        "the slow one then gets everything (from the spilled retention window)"
+    );
     publisher.join().unwrap().unwrap();
 }
 
@@ -310,15 +397,26 @@ fn wrong_key_refused_and_logged() {
     c.key = Some(PreSharedKey::new(b"a-different-key-0123456789").unwrap());
     c.max_rounds = 1;
     let (r, seen, _) = spawn_sub(c, None).finish();
-    let Err(Error::AllParentsFailed { last, .. }) = r else { panic!("{r:?}") };
+    let Err(Error::AllParentsFailed { last, .. }) = r else {
+        panic!("{r:?}")
+    };
     assert!(matches!(*last, Error::AuthRefused { .. }), "{last}");
     assert_eq!(seen, Seen::default());
     let mut pc = pub_cfg(&root.addr);
     pc.key = None;
-    let e = BlockingPublisher::connect(pc, 1, &b"0123456789abcdef"[..]).err().expect("refused");
-    assert!(matches!(e, Error::AuthRefused { side: "parent", .. }), "{e}");
+    let e = BlockingPublisher::connect(pc, 1, &b"0123456789abcdef"[..])
+        .err()
+        .expect("refused");
+    assert!(
+        matches!(e, Error::AuthRefused { side: "parent", .. }),
+        "{e}"
+    );
     // A refusal by the root is logged before it is sent.
-    assert!(root.log().contains("presented no pre-shared key"), "{}", root.log());
+    assert!(
+        root.log().contains("presented no pre-shared key"),
+        "{}",
+        root.log()
+    );
     // A relay child with the wrong key file refuses the root (the root proves
     // first) and tells it why, as the intruder did. Those refusals travel
     // root-wards with no reply, so poll the logs with a deadline.
@@ -326,8 +424,15 @@ fn wrong_key_refused_and_logged() {
     std::fs::write(&bad_key, b"another-key-for-the-child-relay").unwrap();
     let mut child = Relay::start(dir.path(), "child", &bad_key, &[&root.addr], &[]);
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while !(child.log().contains("authentication refused") && root.log().matches("client refused this relay").count() >= 2) {
-        assert!(std::time::Instant::now() < deadline, "refusals not logged:\n{}\n{}", root.log(), child.log());
+    while !(child.log().contains("authentication refused")
+        && root.log().matches("client refused this relay").count() >= 2)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "refusals not logged:\n{}\n{}",
+            root.log(),
+            child.log()
+        );
         thread::sleep(Duration::from_millis(20));
     }
     child.kill();
@@ -339,10 +444,13 @@ fn corrupting_proxy(target: String, flip_at: usize) -> String {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap().to_string();
     thread::spawn(move || {
-        let Ok((mut down, _)) = l.accept() else { return };
+        let Ok((mut down, _)) = l.accept() else {
+            return;
+        };
         let mut up = std::net::TcpStream::connect(&target).unwrap();
         up.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-        down.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        down.set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
         let (mut d2, mut u2) = (down.try_clone().unwrap(), up.try_clone().unwrap());
         thread::spawn(move || {
             let mut b = [0u8; 8192];
@@ -378,7 +486,16 @@ fn corrupting_relay_detected_and_data_refetched_from_another_parent() {
     let mid = Relay::start(dir.path(), "mid", &key_file, &[&root.addr], &[]);
     let n = 30u32;
     let sizes = 10_000usize;
-    let rep = net::publish_stream(pub_cfg(&root.addr), 3, &b"0123456789abcdef"[..], (0..n).map(|i| chunk(i, sizes)), Vec::new(), 0, Duration::ZERO).unwrap();
+    let rep = net::publish_stream(
+        pub_cfg(&root.addr),
+        3,
+        &b"0123456789abcdef"[..],
+        (0..n).map(|i| chunk(i, sizes)),
+        Vec::new(),
+        0,
+        Duration::ZERO,
+    )
+    .unwrap();
     assert_eq!(rep.chunks, n);
     let bad = corrupting_proxy(mid.addr.clone(), 123_456);
     let mut c = sub_cfg("s", &[&bad, &root.addr]);
@@ -387,25 +504,58 @@ fn corrupting_relay_detected_and_data_refetched_from_another_parent() {
     let d = r.unwrap();
     assert_eq!(d.failovers, 1);
     assert_eq!(d.parent, root.addr);
-    assert_eq!(seen.1, (0..n).map(|i| (i, crc32c::crc32c(&chunk(i, sizes)))).collect::<Vec<_>>());
+    assert_eq!(
+        seen.1,
+        (0..n)
+            .map(|i| (i, crc32c::crc32c(&chunk(i, sizes))))
+            .collect::<Vec<_>>()
+    );
 }
 
 #[test]
 fn rate_limited_dense_stream_with_spill() {
     let (dir, key_file) = setup();
     let spill = dir.path().join("spill");
-    let root = Relay::start(dir.path(), "root", &key_file, &[], &["--retention-bytes", "8M", "--spill-dir", spill.to_str().unwrap(), "--rate-limit", "256M"]);
+    let root = Relay::start(
+        dir.path(),
+        "root",
+        &key_file,
+        &[],
+        &[
+            "--retention-bytes",
+            "8M",
+            "--spill-dir",
+            spill.to_str().unwrap(),
+            "--rate-limit",
+            "256M",
+        ],
+    );
     let n = 6u32;
     let big = |i: u32| chunk(i, 4 << 20);
     let s = spawn_sub(sub_cfg("dense", &[&root.addr]), None);
     let raddr = root.addr.clone();
     let publisher = thread::spawn(move || {
-        net::publish_stream(pub_cfg(&raddr), 1, &b"0123456789abcdef"[..], (0..n).map(big), Vec::new(), 1, Duration::from_secs(60))
+        net::publish_stream(
+            pub_cfg(&raddr),
+            1,
+            &b"0123456789abcdef"[..],
+            (0..n).map(big),
+            Vec::new(),
+            1,
+            Duration::from_secs(60),
+        )
     });
     let (r, seen, sub) = s.finish();
     r.unwrap();
-    assert_eq!(seen.1, (0..n).map(|i| (i, crc32c::crc32c(&big(i)))).collect::<Vec<_>>());
-    sub.unwrap().ack([0; 16], true, "", Duration::from_secs(10)).unwrap();
+    assert_eq!(
+        seen.1,
+        (0..n)
+            .map(|i| (i, crc32c::crc32c(&big(i))))
+            .collect::<Vec<_>>()
+    );
+    sub.unwrap()
+        .ack([0; 16], true, "", Duration::from_secs(10))
+        .unwrap();
     let rep = publisher.join().unwrap().unwrap();
     assert!(rep.acks.all_committed());
 }

@@ -41,17 +41,72 @@ impl Metrics {
         let mut m = |name: &str, kind: &str, help: &str, v: u64| {
             s.push_str(&format!("# HELP dcr_relay_{name} {help}\n# TYPE dcr_relay_{name} {kind}\ndcr_relay_{name} {v}\n"));
         };
-        m("bytes_in_total", "counter", "Payload bytes received from upstream.", self.bytes_in.load(Relaxed));
-        m("bytes_out_total", "counter", "Payload bytes sent to children.", self.bytes_out.load(Relaxed));
-        m("children", "gauge", "Children connected.", self.children.load(Relaxed));
-        m("max_child_lag_chunks", "gauge", "Largest lag of a child behind the newest chunk.", self.max_lag.load(Relaxed));
-        m("resumes_total", "counter", "Resume requests served.", self.resumes.load(Relaxed));
-        m("refusals_total", "counter", "Connections refused.", self.refusals.load(Relaxed));
-        m("upstream_failovers_total", "counter", "Upstream links lost.", self.upstream_failovers.load(Relaxed));
-        m("acks_total", "counter", "Receiver acks recorded.", self.acks.load(Relaxed));
-        m("spilled_chunks_total", "counter", "Chunks spilled to disk.", self.spilled_chunks.load(Relaxed));
-        m("evicted_chunks_total", "counter", "Chunks evicted from retention.", self.evicted_chunks.load(Relaxed));
-        m("latest_version", "gauge", "Newest version held.", self.latest_version.load(Relaxed));
+        m(
+            "bytes_in_total",
+            "counter",
+            "Payload bytes received from upstream.",
+            self.bytes_in.load(Relaxed),
+        );
+        m(
+            "bytes_out_total",
+            "counter",
+            "Payload bytes sent to children.",
+            self.bytes_out.load(Relaxed),
+        );
+        m(
+            "children",
+            "gauge",
+            "Children connected.",
+            self.children.load(Relaxed),
+        );
+        m(
+            "max_child_lag_chunks",
+            "gauge",
+            "Largest lag of a child behind the newest chunk.",
+            self.max_lag.load(Relaxed),
+        );
+        m(
+            "resumes_total",
+            "counter",
+            "Resume requests served.",
+            self.resumes.load(Relaxed),
+        );
+        m(
+            "refusals_total",
+            "counter",
+            "Connections refused.",
+            self.refusals.load(Relaxed),
+        );
+        m(
+            "upstream_failovers_total",
+            "counter",
+            "Upstream links lost.",
+            self.upstream_failovers.load(Relaxed),
+        );
+        m(
+            "acks_total",
+            "counter",
+            "Receiver acks recorded.",
+            self.acks.load(Relaxed),
+        );
+        m(
+            "spilled_chunks_total",
+            "counter",
+            "Chunks spilled to disk.",
+            self.spilled_chunks.load(Relaxed),
+        );
+        m(
+            "evicted_chunks_total",
+            "counter",
+            "Chunks evicted from retention.",
+            self.evicted_chunks.load(Relaxed),
+        );
+        m(
+            "latest_version",
+            "gauge",
+            "Newest version held.",
+            self.latest_version.load(Relaxed),
+        );
         s
     }
 }
@@ -90,7 +145,10 @@ pub async fn serve_metrics(
                 }
                 Ok::<_, std::io::Error>(())
             };
-            if tokio::time::timeout(std::time::Duration::from_secs(5), read).await.is_err() {
+            if tokio::time::timeout(std::time::Duration::from_secs(5), read)
+                .await
+                .is_err()
+            {
                 return;
             }
             refresh();

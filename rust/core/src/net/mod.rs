@@ -20,7 +20,9 @@ mod subscriber;
 mod tls;
 
 pub use metrics::{serve_metrics, Metrics};
-pub use publisher::{publish_stream, AckSummary, BlockingPublisher, PublishConfig, PublishReport, Publisher};
+pub use publisher::{
+    publish_stream, AckSummary, BlockingPublisher, PublishConfig, PublishReport, Publisher,
+};
 pub use server::{run, Relay, RelayConfig};
 pub use spill::FileSpill;
 pub use subscriber::{subscribe, Delivered, Receiver, SubscribeConfig, Subscriber, Subscription};
@@ -37,9 +39,15 @@ pub type BoxIo = Box<dyn Io>;
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Connect to `addr` (HOST:PORT), optionally over TLS.
-pub(crate) async fn connect(addr: &str, tls: Option<&ClientTls>, timeout: Duration) -> Result<BoxIo> {
+pub(crate) async fn connect(
+    addr: &str,
+    tls: Option<&ClientTls>,
+    timeout: Duration,
+) -> Result<BoxIo> {
     let fut = async {
-        let tcp = TcpStream::connect(addr).await.map_err(|e| Error::io(format!("connecting to {addr}"), e))?;
+        let tcp = TcpStream::connect(addr)
+            .await
+            .map_err(|e| Error::io(format!("connecting to {addr}"), e))?;
         tcp.set_nodelay(true).ok();
         match tls {
             None => Ok(Box::new(tcp) as BoxIo),
@@ -48,12 +56,18 @@ pub(crate) async fn connect(addr: &str, tls: Option<&ClientTls>, timeout: Durati
     };
     match tokio::time::timeout(timeout, fut).await {
         Ok(r) => r,
-        Err(_) => Err(Error::Timeout { after_ms: timeout.as_millis() as u64, during: format!("connecting to {addr}") }),
+        Err(_) => Err(Error::Timeout {
+            after_ms: timeout.as_millis() as u64,
+            during: format!("connecting to {addr}"),
+        }),
     }
 }
 
 /// Write one message, its blob without a copy.
-pub(crate) async fn write_msg<W: AsyncWrite + Unpin + ?Sized>(w: &mut W, m: &Message) -> std::io::Result<usize> {
+pub(crate) async fn write_msg<W: AsyncWrite + Unpin + ?Sized>(
+    w: &mut W,
+    m: &Message,
+) -> std::io::Result<usize> {
     let p: Parts = m.encode_parts();
     w.write_all(&p.head).await?;
     if !p.blob.is_empty() {
@@ -66,13 +80,19 @@ pub(crate) async fn write_msg<W: AsyncWrite + Unpin + ?Sized>(w: &mut W, m: &Mes
 }
 
 /// Write bytes and flush.
-pub(crate) async fn write_bytes<W: AsyncWrite + Unpin + ?Sized>(w: &mut W, b: &Bytes) -> std::io::Result<()> {
+pub(crate) async fn write_bytes<W: AsyncWrite + Unpin + ?Sized>(
+    w: &mut W,
+    b: &Bytes,
+) -> std::io::Result<()> {
     w.write_all(b).await?;
     w.flush().await
 }
 
 /// Read more bytes into `buf`; `Ok(0)` is end of stream.
-pub(crate) async fn read_some<R: AsyncRead + Unpin + ?Sized>(r: &mut R, buf: &mut bytes::BytesMut) -> std::io::Result<usize> {
+pub(crate) async fn read_some<R: AsyncRead + Unpin + ?Sized>(
+    r: &mut R,
+    buf: &mut bytes::BytesMut,
+) -> std::io::Result<usize> {
     if buf.capacity() - buf.len() < 64 * 1024 {
         buf.reserve(64 * 1024);
     }
@@ -82,5 +102,11 @@ pub(crate) async fn read_some<R: AsyncRead + Unpin + ?Sized>(r: &mut R, buf: &mu
 /// A fresh node id: `prefix-<hostname-ish>-<pid>-<random>`.
 pub fn default_node_id(prefix: &str) -> String {
     let n = crate::relay::auth::random_nonce();
-    format!("{prefix}-{}-{:02x}{:02x}{:02x}", std::process::id(), n[0], n[1], n[2])
+    format!(
+        "{prefix}-{}-{:02x}{:02x}{:02x}",
+        std::process::id(),
+        n[0],
+        n[1],
+        n[2]
+    )
 }

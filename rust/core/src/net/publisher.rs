@@ -102,20 +102,32 @@ impl Publisher {
         let addr = cfg.addr.clone();
         let io = connect(&addr, cfg.tls.as_ref(), cfg.connect_timeout).await?;
         let (mut rd, mut wr) = tokio::io::split(io);
-        let settings = ClientSettings { key: cfg.key.clone(), node_id: cfg.node_id.clone(), max_frame: cfg.max_frame, idle_timeout: None };
+        let settings = ClientSettings {
+            key: cfg.key.clone(),
+            node_id: cfg.node_id.clone(),
+            max_frame: cfg.max_frame,
+            idle_timeout: None,
+        };
         let mut conn = ClientConn::publisher(&settings, random_nonce(), std::time::Instant::now());
         // Handshake.
         let hs = async {
             loop {
                 while let Some(b) = conn.poll_transmit() {
-                    write_bytes(&mut wr, &b).await.map_err(|e| Error::io(format!("writing to {addr}"), e))?;
+                    write_bytes(&mut wr, &b)
+                        .await
+                        .map_err(|e| Error::io(format!("writing to {addr}"), e))?;
                 }
                 if conn.is_authenticated() {
                     return Ok::<_, Error>(());
                 }
-                let n = read_some(&mut rd, conn.input_buf()).await.map_err(|e| Error::io(format!("reading from {addr}"), e))?;
+                let n = read_some(&mut rd, conn.input_buf())
+                    .await
+                    .map_err(|e| Error::io(format!("reading from {addr}"), e))?;
                 if n == 0 {
-                    return Err(Error::PeerClosed { peer: addr.clone(), during: "the handshake".into() });
+                    return Err(Error::PeerClosed {
+                        peer: addr.clone(),
+                        during: "the handshake".into(),
+                    });
                 }
                 let r = conn.process(std::time::Instant::now());
                 if r.is_err() {
@@ -128,7 +140,10 @@ impl Publisher {
         };
         tokio::time::timeout(cfg.connect_timeout, hs)
             .await
-            .map_err(|_| Error::Timeout { after_ms: cfg.connect_timeout.as_millis() as u64, during: format!("authenticating to {addr}") })??;
+            .map_err(|_| Error::Timeout {
+                after_ms: cfg.connect_timeout.as_millis() as u64,
+                during: format!("authenticating to {addr}"),
+            })??;
         conn.send_header(version, header)?;
         info!(relay = %addr, version, "publishing");
 
@@ -140,7 +155,9 @@ impl Publisher {
             let mut open = true;
             loop {
                 while let Some(b) = conn.poll_transmit() {
-                    write_bytes(&mut wr, &b).await.map_err(|e| Error::io(format!("sending to relay {addr}"), e))?;
+                    write_bytes(&mut wr, &b)
+                        .await
+                        .map_err(|e| Error::io(format!("sending to relay {addr}"), e))?;
                 }
                 if !open {
                     let _ = flushed_tx.send(true);
@@ -167,7 +184,17 @@ impl Publisher {
                 }
             }
         });
-        Ok(Publisher { version, tx: Some(tx), next_seq: 0, bytes: 0, acks, task: Some(task), flushed, flushed_rx, max_frame: cfg.max_frame })
+        Ok(Publisher {
+            version,
+            tx: Some(tx),
+            next_seq: 0,
+            bytes: 0,
+            acks,
+            task: Some(task),
+            flushed,
+            flushed_rx,
+            max_frame: cfg.max_frame,
+        })
     }
 
     /// Version being published.
@@ -191,7 +218,10 @@ impl Publisher {
     pub async fn send(&mut self, blob: impl Into<Bytes>) -> Result<u32> {
         let blob = blob.into();
         if blob.len() + 64 > self.max_frame {
-            return Err(Error::FrameTooLarge { len: blob.len() as u64, max: self.max_frame as u64 });
+            return Err(Error::FrameTooLarge {
+                len: blob.len() as u64,
+                max: self.max_frame as u64,
+            });
         }
         let n = blob.len() as u64;
         let tx = self.tx.as_ref().ok_or(Error::Closed("publisher"))?;
@@ -243,7 +273,11 @@ impl Publisher {
         .is_ok();
         let acks = self.acks.borrow().clone();
         let (committed, failed): (Vec<Ack>, Vec<Ack>) = acks.into_iter().partition(|a| a.ok);
-        AckSummary { complete: done, committed, failed }
+        AckSummary {
+            complete: done,
+            committed,
+            failed,
+        }
     }
 
     /// Close the connection.
@@ -298,7 +332,10 @@ impl BlockingPublisher {
     }
 
     fn p(&mut self) -> Result<(&tokio::runtime::Runtime, &mut Publisher)> {
-        Ok((&self.rt, self.inner.as_mut().ok_or(Error::Closed("publisher"))?))
+        Ok((
+            &self.rt,
+            self.inner.as_mut().ok_or(Error::Closed("publisher"))?,
+        ))
     }
 
     /// Send the next chunk (blocks while the queue is full).
@@ -350,6 +387,18 @@ where
     }
     let chunks = p.finish(trailer)?;
     let bytes = p.inner.as_ref().map(|x| x.sent().1).unwrap_or(0);
-    let acks = if expect_acks > 0 { p.wait_acks(expect_acks, ack_timeout)? } else { AckSummary { complete: true, ..Default::default() } };
-    Ok(PublishReport { version, chunks, bytes, acks })
+    let acks = if expect_acks > 0 {
+        p.wait_acks(expect_acks, ack_timeout)?
+    } else {
+        AckSummary {
+            complete: true,
+            ..Default::default()
+        }
+    };
+    Ok(PublishReport {
+        version,
+        chunks,
+        bytes,
+        acks,
+    })
 }

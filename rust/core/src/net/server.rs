@@ -98,9 +98,15 @@ impl Shared {
         let h = self.hub();
         self.metrics.max_lag.store(h.max_lag(), Relaxed);
         self.metrics.resumes.store(h.resumes, Relaxed);
-        self.metrics.spilled_chunks.store(h.store().spilled_chunks, Relaxed);
-        self.metrics.evicted_chunks.store(h.store().evicted_chunks, Relaxed);
-        self.metrics.latest_version.store(h.store().latest().map(|(v, _)| v).unwrap_or(0), Relaxed);
+        self.metrics
+            .spilled_chunks
+            .store(h.store().spilled_chunks, Relaxed);
+        self.metrics
+            .evicted_chunks
+            .store(h.store().evicted_chunks, Relaxed);
+        self.metrics
+            .latest_version
+            .store(h.store().latest().map(|(v, _)| v).unwrap_or(0), Relaxed);
     }
 }
 
@@ -114,14 +120,21 @@ impl Relay {
     /// Build the relay state (opens the spill directory).
     pub fn new(cfg: RelayConfig) -> Result<Self> {
         let spill: Option<Box<dyn Spill>> = match &cfg.spill_dir {
-            Some(d) => Some(Box::new(
-                FileSpill::new(d).map_err(|e| Error::io(format!("creating spill directory {}", d.display()), e))?,
-            )),
+            Some(d) => Some(Box::new(FileSpill::new(d).map_err(|e| {
+                Error::io(format!("creating spill directory {}", d.display()), e)
+            })?)),
             None => None,
         };
         let hub = Hub::new(Store::new(cfg.store.clone(), spill));
         let (changed, _) = watch::channel(0);
-        Ok(Relay { shared: Arc::new(Shared { hub: Mutex::new(hub), changed, cfg, metrics: Arc::new(Metrics::default()) }) })
+        Ok(Relay {
+            shared: Arc::new(Shared {
+                hub: Mutex::new(hub),
+                changed,
+                cfg,
+                metrics: Arc::new(Metrics::default()),
+            }),
+        })
     }
 
     /// The relay's counters.
@@ -154,7 +167,11 @@ impl Relay {
         let accept_loop = async {
             let mut backoff = Duration::from_millis(10);
             loop {
-                let permit = limit.clone().acquire_owned().await.expect("semaphore never closed");
+                let permit = limit
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .expect("semaphore never closed");
                 let (tcp, addr) = match listener.accept().await {
                     Ok(x) => {
                         backoff = Duration::from_millis(10);
@@ -195,7 +212,12 @@ pub async fn run(listener: TcpListener, config: RelayConfig, shutdown: impl Futu
 type Rd = ReadHalf<BoxIo>;
 type Wr = WriteHalf<BoxIo>;
 
-async fn serve_connection(shared: Arc<Shared>, tcp: TcpStream, peer: String, mut sd: broadcast::Receiver<()>) {
+async fn serve_connection(
+    shared: Arc<Shared>,
+    tcp: TcpStream,
+    peer: String,
+    mut sd: broadcast::Receiver<()>,
+) {
     let cfg = &shared.cfg;
     let hs = async {
         let io: BoxIo = match &cfg.tls {
@@ -205,9 +227,14 @@ async fn serve_connection(shared: Arc<Shared>, tcp: TcpStream, peer: String, mut
         let (mut rd, mut wr) = tokio::io::split(io);
         let mut conn = ServerConn::new(cfg.key.clone(), cfg.max_frame, random_nonce());
         loop {
-            let n = read_some(&mut rd, conn.input_buf()).await.map_err(|e| Error::io("reading the handshake", e))?;
+            let n = read_some(&mut rd, conn.input_buf())
+                .await
+                .map_err(|e| Error::io("reading the handshake", e))?;
             if n == 0 {
-                return Err(Error::PeerClosed { peer: peer.clone(), during: "the handshake".into() });
+                return Err(Error::PeerClosed {
+                    peer: peer.clone(),
+                    during: "the handshake".into(),
+                });
             }
             let r = conn.process();
             if let Err(e @ Error::AuthRefused { .. }) = &r {
@@ -216,7 +243,9 @@ async fn serve_connection(shared: Arc<Shared>, tcp: TcpStream, peer: String, mut
                 warn!(node = %cfg.node_id, %peer, reason = %e, "connection refused");
             }
             if let Some(b) = conn.poll_transmit() {
-                write_bytes(&mut wr, &b).await.map_err(|e| Error::io("writing the handshake", e))?;
+                write_bytes(&mut wr, &b)
+                    .await
+                    .map_err(|e| Error::io("writing the handshake", e))?;
             }
             r?;
             if let Some(ServerEvent::Authenticated(p)) = conn.poll_event() {
@@ -248,7 +277,14 @@ async fn serve_connection(shared: Arc<Shared>, tcp: TcpStream, peer: String, mut
             shared.metrics.refusals.fetch_add(1, Relaxed);
             let reason = "this relay has parents; publish to the root relay (the one started without --parent)";
             warn!(node = %cfg.node_id, %peer, "connection refused: publisher on a non-root relay: {reason}");
-            let _ = write_msg(&mut wr, &Message::Error { code: code::ROLE_REFUSED, reason: reason.into() }).await;
+            let _ = write_msg(
+                &mut wr,
+                &Message::Error {
+                    code: code::ROLE_REFUSED,
+                    reason: reason.into(),
+                },
+            )
+            .await;
             let _ = wr.shutdown().await;
             return;
         }
@@ -286,9 +322,13 @@ async fn serve_publisher(
             let (acks, next) = shared.hub().acks_since(ack_idx);
             ack_idx = next;
             for a in acks.into_iter().filter(|a| a.version == v) {
-                write_msg(&mut wr, &Message::Ack(a)).await.map_err(|e| Error::io("sending acks to the publisher", e))?;
+                write_msg(&mut wr, &Message::Ack(a))
+                    .await
+                    .map_err(|e| Error::io("sending acks to the publisher", e))?;
             }
-            wr.flush().await.map_err(|e| Error::io("sending acks to the publisher", e))?;
+            wr.flush()
+                .await
+                .map_err(|e| Error::io("sending acks to the publisher", e))?;
         }
         tokio::select! {
             n = read_some(&mut rd, conn.input_buf()) => {
@@ -329,7 +369,10 @@ async fn serve_child(
     sd: &mut broadcast::Receiver<()>,
 ) -> Result<()> {
     let mut rx = shared.changed.subscribe();
-    let mut bucket = shared.cfg.rate_limit.map(|r| TokenBucket::new(r, r.min(1 << 20).max(64 * 1024), std::time::Instant::now()));
+    let mut bucket = shared
+        .cfg
+        .rate_limit
+        .map(|r| TokenBucket::new(r, r.clamp(64 * 1024, 1 << 20), std::time::Instant::now()));
     let mut last_tx = Instant::now();
     loop {
         rx.borrow_and_update();
@@ -346,21 +389,32 @@ async fn serve_child(
                             tokio::time::sleep(wait).await;
                         }
                     }
-                    write_msg(&mut wr, &m).await.map_err(|e| Error::io(format!("sending {} to {peer}", m.name()), e))?;
+                    write_msg(&mut wr, &m)
+                        .await
+                        .map_err(|e| Error::io(format!("sending {} to {peer}", m.name()), e))?;
                     shared.metrics.bytes_out.fetch_add(len, Relaxed);
                     sent_any = true;
                 }
                 ChildPoll::Wait | ChildPoll::Done => break,
                 ChildPoll::Fail(e) => {
                     warn!(node = %shared.cfg.node_id, %peer, error = %e, "cannot serve child");
-                    let _ = write_msg(&mut wr, &Message::Error { code: code::RESUME_UNAVAILABLE, reason: e.to_string() }).await;
+                    let _ = write_msg(
+                        &mut wr,
+                        &Message::Error {
+                            code: code::RESUME_UNAVAILABLE,
+                            reason: e.to_string(),
+                        },
+                    )
+                    .await;
                     let _ = wr.shutdown().await;
                     return Err(e);
                 }
             }
         }
         if sent_any {
-            wr.flush().await.map_err(|e| Error::io(format!("flushing to {peer}"), e))?;
+            wr.flush()
+                .await
+                .map_err(|e| Error::io(format!("flushing to {peer}"), e))?;
             last_tx = Instant::now();
         }
         tokio::select! {
@@ -431,7 +485,10 @@ async fn upstream_loop(shared: Arc<Shared>, mut sd: broadcast::Receiver<()>) {
             _ = sd.recv() => return,
         };
         let e = match r {
-            Ok(()) => Error::PeerClosed { peer: addr.clone(), during: "streaming".into() },
+            Ok(()) => Error::PeerClosed {
+                peer: addr.clone(),
+                during: "streaming".into(),
+            },
             Err(e) => e,
         };
         shared.metrics.upstream_failovers.fetch_add(1, Relaxed);
@@ -473,7 +530,13 @@ async fn upstream_once(shared: &Shared, addr: &str) -> Result<()> {
         max_frame: cfg.max_frame,
         idle_timeout: Some(cfg.idle_timeout),
     };
-    let mut conn = ClientConn::receiver(&settings, Role::Relay, cursor, random_nonce(), std::time::Instant::now());
+    let mut conn = ClientConn::receiver(
+        &settings,
+        Role::Relay,
+        cursor,
+        random_nonce(),
+        std::time::Instant::now(),
+    );
     let mut rx = shared.changed.subscribe();
     let mut ack_idx = 0usize;
     let mut announced = false;
@@ -491,9 +554,14 @@ async fn upstream_once(shared: &Shared, addr: &str) -> Result<()> {
             }
         }
         while let Some(b) = conn.poll_transmit() {
-            write_bytes(&mut wr, &b).await.map_err(|e| Error::io(format!("writing to parent {addr}"), e))?;
+            write_bytes(&mut wr, &b)
+                .await
+                .map_err(|e| Error::io(format!("writing to parent {addr}"), e))?;
         }
-        let deadline = conn.poll_timeout().map(Instant::from_std).unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+        let deadline = conn
+            .poll_timeout()
+            .map(Instant::from_std)
+            .unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
         tokio::select! {
             n = read_some(&mut rd, conn.input_buf()) => {
                 let n = n.map_err(|e| Error::io(format!("reading from parent {addr}"), e))?;

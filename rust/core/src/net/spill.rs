@@ -19,30 +19,47 @@ impl FileSpill {
     pub fn new(dir: impl Into<PathBuf>) -> io::Result<Self> {
         let dir = dir.into();
         std::fs::create_dir_all(&dir)?;
-        Ok(FileSpill { dir, files: HashMap::new() })
+        Ok(FileSpill {
+            dir,
+            files: HashMap::new(),
+        })
     }
 
     fn path(&self, version: u64) -> PathBuf {
-        self.dir.join(format!("dcr-spill-{}-v{version}", std::process::id()))
+        self.dir
+            .join(format!("dcr-spill-{}-v{version}", std::process::id()))
     }
 }
 
 impl Spill for FileSpill {
     fn put(&mut self, version: u64, data: &[u8]) -> io::Result<SpillRef> {
         if !self.files.contains_key(&version) {
-            let f = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(self.path(version))?;
+            let f = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(self.path(version))?;
             self.files.insert(version, (f, 0));
         }
         let (f, end) = self.files.get_mut(&version).expect("inserted");
         f.seek(SeekFrom::Start(*end))?;
         f.write_all(data)?;
-        let r = SpillRef { version, offset: *end, len: data.len() as u32, crc: crc32c::crc32c(data) };
+        let r = SpillRef {
+            version,
+            offset: *end,
+            len: data.len() as u32,
+            crc: crc32c::crc32c(data),
+        };
         *end += data.len() as u64;
         Ok(r)
     }
 
     fn get(&mut self, r: &SpillRef) -> io::Result<Vec<u8>> {
-        let (f, _) = self.files.get_mut(&r.version).ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "version not spilled"))?;
+        let (f, _) = self
+            .files
+            .get_mut(&r.version)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "version not spilled"))?;
         f.seek(SeekFrom::Start(r.offset))?;
         let mut v = vec![0u8; r.len as usize];
         f.read_exact(&mut v)?;

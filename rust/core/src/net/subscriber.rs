@@ -67,7 +67,12 @@ pub trait Receiver {
     /// Chunk `seq` (0, 1, 2, ...).
     fn on_chunk(&mut self, version: u64, seq: u32, blob: &[u8]) -> std::result::Result<(), String>;
     /// The end: chunk count and trailer.
-    fn on_end(&mut self, version: u64, count: u32, trailer: &[u8]) -> std::result::Result<(), String>;
+    fn on_end(
+        &mut self,
+        version: u64,
+        count: u32,
+        trailer: &[u8],
+    ) -> std::result::Result<(), String>;
 }
 
 /// A finished receive.
@@ -105,10 +110,18 @@ impl Subscriber {
     /// A subscriber; nothing happens until [`Subscriber::receive`].
     pub fn new(cfg: SubscribeConfig) -> Result<Self> {
         if cfg.parents.is_empty() {
-            return Err(Error::Config("a subscriber needs at least one parent address (HOST:PORT)".into()));
+            return Err(Error::Config(
+                "a subscriber needs at least one parent address (HOST:PORT)".into(),
+            ));
         }
         let cursor = Cursor::once(cfg.from_version);
-        Ok(Subscriber { cfg, cursor, link: None, next_parent: 0, last: None })
+        Ok(Subscriber {
+            cfg,
+            cursor,
+            link: None,
+            next_parent: 0,
+            last: None,
+        })
     }
 
     fn settings(&self) -> ClientSettings {
@@ -123,7 +136,12 @@ impl Subscriber {
     async fn open(&self, addr: &str, conn: ClientConn) -> Result<Link> {
         let io = connect(addr, self.cfg.tls.as_ref(), self.cfg.connect_timeout).await?;
         let (rd, wr) = tokio::io::split(io);
-        Ok(Link { rd, wr, conn, addr: addr.to_string() })
+        Ok(Link {
+            rd,
+            wr,
+            conn,
+            addr: addr.to_string(),
+        })
     }
 
     /// Receive one version (the first `>= from_version`), failing over
@@ -135,7 +153,10 @@ impl Subscriber {
             None => fut.await,
             Some(d) => match tokio::time::timeout_at(d, fut).await {
                 Ok(r) => r,
-                Err(_) => Err(Error::Timeout { after_ms: self.cfg.timeout.unwrap_or_default().as_millis() as u64, during: "receiving a version".into() }),
+                Err(_) => Err(Error::Timeout {
+                    after_ms: self.cfg.timeout.unwrap_or_default().as_millis() as u64,
+                    during: "receiving a version".into(),
+                }),
             },
         }
     }
@@ -167,11 +188,24 @@ impl Subscriber {
                 }
             }
         }
-        Err(Error::AllParentsFailed { tried: attempts, last: Box::new(last_err.expect("at least one attempt")) })
+        Err(Error::AllParentsFailed {
+            tried: attempts,
+            last: Box::new(last_err.expect("at least one attempt")),
+        })
     }
 
-    async fn attempt<R: Receiver + ?Sized>(&mut self, addr: &str, app: &mut R) -> Result<Delivered> {
-        let conn = ClientConn::receiver(&self.settings(), Role::Subscriber, self.cursor.clone(), random_nonce(), std::time::Instant::now());
+    async fn attempt<R: Receiver + ?Sized>(
+        &mut self,
+        addr: &str,
+        app: &mut R,
+    ) -> Result<Delivered> {
+        let conn = ClientConn::receiver(
+            &self.settings(),
+            Role::Subscriber,
+            self.cursor.clone(),
+            random_nonce(),
+            std::time::Instant::now(),
+        );
         let link = self.open(addr, conn).await?;
         if self.cursor.version.is_some() {
             info!(node = %self.cfg.node_id, parent = addr, cursor = ?self.cursor, "resuming");
@@ -179,9 +213,15 @@ impl Subscriber {
         let link = self.link.insert(link);
         loop {
             while let Some(b) = link.conn.poll_transmit() {
-                write_bytes(&mut link.wr, &b).await.map_err(|e| Error::io(format!("writing to {addr}"), e))?;
+                write_bytes(&mut link.wr, &b)
+                    .await
+                    .map_err(|e| Error::io(format!("writing to {addr}"), e))?;
             }
-            let deadline = link.conn.poll_timeout().map(Instant::from_std).unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+            let deadline = link
+                .conn
+                .poll_timeout()
+                .map(Instant::from_std)
+                .unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
             tokio::select! {
                 r = read_some(&mut link.rd, link.conn.input_buf()) => {
                     let n = r.map_err(|e| Error::io(format!("reading from {addr}"), e))?;
@@ -205,6 +245,7 @@ impl Subscriber {
                             _ => {}
                         }
                     }
+                    link.conn.reset_idle(std::time::Instant::now());
                     if let Err(e) = res {
                         if let Some(b) = link.conn.poll_transmit() {
                             let _ = write_bytes(&mut link.wr, &b).await;
@@ -220,26 +261,43 @@ impl Subscriber {
     /// Report the verdict on the received version upward. Uses the open
     /// connection, or reconnects through the parent list; returns once a
     /// parent confirmed it.
-    pub async fn ack(&mut self, digest: [u8; DIGEST_LEN], ok: bool, reason: &str, timeout: Duration) -> Result<()> {
-        let version = self
-            .last
-            .as_ref()
-            .map(|d| d.version)
-            .ok_or_else(|| Error::protocol("a received version before ack()", "nothing received yet"))?;
-        let ack = Ack { version, node_id: self.cfg.node_id.clone(), digest, ok, reason: reason.to_string() };
+    pub async fn ack(
+        &mut self,
+        digest: [u8; DIGEST_LEN],
+        ok: bool,
+        reason: &str,
+        timeout: Duration,
+    ) -> Result<()> {
+        let version = self.last.as_ref().map(|d| d.version).ok_or_else(|| {
+            Error::protocol("a received version before ack()", "nothing received yet")
+        })?;
+        let ack = Ack {
+            version,
+            node_id: self.cfg.node_id.clone(),
+            digest,
+            ok,
+            reason: reason.to_string(),
+        };
         let deadline = Instant::now() + timeout;
         if let Some(mut link) = self.link.take() {
             link.conn.send_ack(ack.clone());
             match tokio::time::timeout_at(deadline, wait_ack_received(&mut link, version)).await {
                 Ok(Ok(())) => return Ok(()),
-                Ok(Err(e)) => warn!(parent = %link.addr, error = %e, "ack on the open connection failed; reconnecting"),
+                Ok(Err(e)) => {
+                    warn!(parent = %link.addr, error = %e, "ack on the open connection failed; reconnecting")
+                }
                 Err(_) => {}
             }
         }
         let mut last = None;
         for i in 0..self.cfg.parents.len() {
             let addr = self.cfg.parents[(self.next_parent + i) % self.cfg.parents.len()].clone();
-            let conn = ClientConn::acker(&self.settings(), ack.clone(), random_nonce(), std::time::Instant::now());
+            let conn = ClientConn::acker(
+                &self.settings(),
+                ack.clone(),
+                random_nonce(),
+                std::time::Instant::now(),
+            );
             let r = tokio::time::timeout_at(deadline, async {
                 let mut link = self.open(&addr, conn).await?;
                 wait_ack_received(&mut link, version).await
@@ -249,22 +307,35 @@ impl Subscriber {
                 Ok(Ok(())) => return Ok(()),
                 Ok(Err(e)) => last = Some(e),
                 Err(_) => {
-                    return Err(Error::Timeout { after_ms: timeout.as_millis() as u64, during: format!("acknowledging version {version}") })
+                    return Err(Error::Timeout {
+                        after_ms: timeout.as_millis() as u64,
+                        during: format!("acknowledging version {version}"),
+                    })
                 }
             }
         }
-        Err(Error::AllParentsFailed { tried: self.cfg.parents.len(), last: Box::new(last.unwrap_or(Error::Closed("subscriber"))) })
+        Err(Error::AllParentsFailed {
+            tried: self.cfg.parents.len(),
+            last: Box::new(last.unwrap_or(Error::Closed("subscriber"))),
+        })
     }
 }
 
 async fn wait_ack_received(link: &mut Link, version: u64) -> Result<()> {
     loop {
         while let Some(b) = link.conn.poll_transmit() {
-            write_bytes(&mut link.wr, &b).await.map_err(|e| Error::io(format!("writing to {}", link.addr), e))?;
+            write_bytes(&mut link.wr, &b)
+                .await
+                .map_err(|e| Error::io(format!("writing to {}", link.addr), e))?;
         }
-        let n = read_some(&mut link.rd, link.conn.input_buf()).await.map_err(|e| Error::io("reading an ack confirmation", e))?;
+        let n = read_some(&mut link.rd, link.conn.input_buf())
+            .await
+            .map_err(|e| Error::io("reading an ack confirmation", e))?;
         if n == 0 {
-            return Err(Error::PeerClosed { peer: link.addr.clone(), during: "waiting for the ack confirmation".into() });
+            return Err(Error::PeerClosed {
+                peer: link.addr.clone(),
+                during: "waiting for the ack confirmation".into(),
+            });
         }
         let r = link.conn.process(std::time::Instant::now());
         while let Some(ev) = link.conn.poll_event() {
@@ -311,7 +382,13 @@ pub struct Subscription {
 
 impl Subscription {
     /// Report the verdict upward (blocking).
-    pub fn ack(&mut self, digest: [u8; DIGEST_LEN], ok: bool, reason: &str, timeout: Duration) -> Result<()> {
+    pub fn ack(
+        &mut self,
+        digest: [u8; DIGEST_LEN],
+        ok: bool,
+        reason: &str,
+        timeout: Duration,
+    ) -> Result<()> {
         let Subscription { rt, sub, .. } = self;
         rt.block_on(sub.ack(digest, ok, reason, timeout))
     }
@@ -330,7 +407,11 @@ pub fn subscribe(
         .build()
         .map_err(|e| Error::io("starting the subscriber runtime", e))?;
     let mut sub = Subscriber::new(cfg)?;
-    let mut app = Closures { h: on_header, c: on_chunk, e: on_end };
+    let mut app = Closures {
+        h: on_header,
+        c: on_chunk,
+        e: on_end,
+    };
     let delivered = rt.block_on(sub.receive(&mut app))?;
     Ok(Subscription { rt, sub, delivered })
 }

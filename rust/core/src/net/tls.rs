@@ -23,19 +23,28 @@ fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>> {
         .collect::<std::result::Result<_, _>>()
         .map_err(|e| Error::Tls(format!("parsing certificates in {}: {e}", path.display())))?;
     if v.is_empty() {
-        return Err(Error::Tls(format!("expected PEM certificates in {}, found none", path.display())));
+        return Err(Error::Tls(format!(
+            "expected PEM certificates in {}, found none",
+            path.display()
+        )));
     }
     Ok(v)
 }
 
 fn key(path: &Path) -> Result<PrivateKeyDer<'static>> {
-    PrivateKeyDer::from_pem_file(path).map_err(|e| Error::Tls(format!("reading a PEM private key from {}: {e}", path.display())))
+    PrivateKeyDer::from_pem_file(path).map_err(|e| {
+        Error::Tls(format!(
+            "reading a PEM private key from {}: {e}",
+            path.display()
+        ))
+    })
 }
 
 fn roots(path: &Path) -> Result<RootCertStore> {
     let mut r = RootCertStore::empty();
     for c in certs(path)? {
-        r.add(c).map_err(|e| Error::Tls(format!("CA certificate in {}: {e}", path.display())))?;
+        r.add(c)
+            .map_err(|e| Error::Tls(format!("CA certificate in {}: {e}", path.display())))?;
     }
     Ok(r)
 }
@@ -62,20 +71,33 @@ impl ServerTls {
         let b = match client_ca {
             None => b.with_no_client_auth(),
             Some(ca) => {
-                let v = WebPkiClientVerifier::builder_with_provider(Arc::new(roots(ca)?), provider())
-                    .build()
-                    .map_err(|e| Error::Tls(format!("client CA {}: {e}", ca.display())))?;
+                let v =
+                    WebPkiClientVerifier::builder_with_provider(Arc::new(roots(ca)?), provider())
+                        .build()
+                        .map_err(|e| Error::Tls(format!("client CA {}: {e}", ca.display())))?;
                 b.with_client_cert_verifier(v)
             }
         };
         let cfg = b
             .with_single_cert(certs(cert)?, key(key_path)?)
-            .map_err(|e| Error::Tls(format!("certificate {} with key {}: {e}", cert.display(), key_path.display())))?;
-        Ok(ServerTls { acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(cfg)) })
+            .map_err(|e| {
+                Error::Tls(format!(
+                    "certificate {} with key {}: {e}",
+                    cert.display(),
+                    key_path.display()
+                ))
+            })?;
+        Ok(ServerTls {
+            acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(cfg)),
+        })
     }
 
     pub(crate) async fn accept(&self, tcp: TcpStream) -> Result<BoxIo> {
-        let s = self.acceptor.accept(tcp).await.map_err(|e| Error::Tls(format!("handshake with a client: {e}")))?;
+        let s = self
+            .acceptor
+            .accept(tcp)
+            .await
+            .map_err(|e| Error::Tls(format!("handshake with a client: {e}")))?;
         Ok(Box::new(s))
     }
 }
@@ -89,7 +111,9 @@ pub struct ClientTls {
 
 impl std::fmt::Debug for ClientTls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ClientTls").field("server_name", &self.server_name).finish()
+        f.debug_struct("ClientTls")
+            .field("server_name", &self.server_name)
+            .finish()
     }
 }
 
@@ -106,7 +130,10 @@ impl ClientTls {
                 .with_client_auth_cert(certs(c)?, key(k)?)
                 .map_err(|e| Error::Tls(format!("client certificate {}: {e}", c.display())))?,
         };
-        Ok(ClientTls { connector: tokio_rustls::TlsConnector::from(Arc::new(cfg)), server_name: None })
+        Ok(ClientTls {
+            connector: tokio_rustls::TlsConnector::from(Arc::new(cfg)),
+            server_name: None,
+        })
     }
 
     /// Verify the relay's certificate against this name instead of the host in its address.
@@ -118,10 +145,20 @@ impl ClientTls {
     pub(crate) async fn connect(&self, addr: &str, tcp: TcpStream) -> Result<BoxIo> {
         let host = match &self.server_name {
             Some(n) => n.clone(),
-            None => addr.rsplit_once(':').map(|(h, _)| h).unwrap_or(addr).trim_matches(['[', ']']).to_string(),
+            None => addr
+                .rsplit_once(':')
+                .map(|(h, _)| h)
+                .unwrap_or(addr)
+                .trim_matches(['[', ']'])
+                .to_string(),
         };
-        let name = ServerName::try_from(host.clone()).map_err(|e| Error::Tls(format!("server name {host:?}: {e}")))?;
-        let s = self.connector.connect(name, tcp).await.map_err(|e| Error::Tls(format!("handshake with {addr}: {e}")))?;
+        let name = ServerName::try_from(host.clone())
+            .map_err(|e| Error::Tls(format!("server name {host:?}: {e}")))?;
+        let s = self
+            .connector
+            .connect(name, tcp)
+            .await
+            .map_err(|e| Error::Tls(format!("handshake with {addr}: {e}")))?;
         Ok(Box::new(s))
     }
 }

@@ -50,7 +50,8 @@ impl PreSharedKey {
     /// Read a key file; surrounding whitespace (a trailing newline) is ignored.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let p = path.as_ref();
-        let data = std::fs::read(p).map_err(|e| Error::io(format!("reading key file {}", p.display()), e))?;
+        let data = std::fs::read(p)
+            .map_err(|e| Error::io(format!("reading key file {}", p.display()), e))?;
         let s = data.trim_ascii();
         Self::new(s).map_err(|e| Error::Config(format!("key file {}: {e}", p.display())))
     }
@@ -127,8 +128,19 @@ pub struct ClientHandshake {
 
 impl ClientHandshake {
     /// A client handshake with a given nonce (use [`random_nonce`] outside tests).
-    pub fn new(key: Option<PreSharedKey>, role: Role, node_id: impl Into<String>, nonce: [u8; NONCE_LEN]) -> Self {
-        ClientHandshake { key, role, node_id: node_id.into(), nonce, state: CState::Start }
+    pub fn new(
+        key: Option<PreSharedKey>,
+        role: Role,
+        node_id: impl Into<String>,
+        nonce: [u8; NONCE_LEN],
+    ) -> Self {
+        ClientHandshake {
+            key,
+            role,
+            node_id: node_id.into(),
+            nonce,
+            state: CState::Start,
+        }
     }
 
     /// The first message (Hello).
@@ -154,14 +166,32 @@ impl ClientHandshake {
         if let Message::Error { code: c, reason } = &m {
             let side = "parent";
             return Err(if *c == code::AUTH_REFUSED {
-                Error::AuthRefused { side, reason: reason.clone() }
+                Error::AuthRefused {
+                    side,
+                    reason: reason.clone(),
+                }
             } else {
-                Error::Remote { code: *c, reason: reason.clone() }
+                Error::Remote {
+                    code: *c,
+                    reason: reason.clone(),
+                }
             });
         }
         match (&self.state, m) {
-            (CState::SentHello, Message::ServerHello { has_key, nonce, proof }) => {
-                let t = Transcript { role: self.role, nonce_c: &self.nonce, nonce_s: &nonce, node_id: &self.node_id };
+            (
+                CState::SentHello,
+                Message::ServerHello {
+                    has_key,
+                    nonce,
+                    proof,
+                },
+            ) => {
+                let t = Transcript {
+                    role: self.role,
+                    nonce_c: &self.nonce,
+                    nonce_s: &nonce,
+                    node_id: &self.node_id,
+                };
                 let my = match (&self.key, has_key) {
                     (Some(k), true) => {
                         if !k.verify(SERVER_LABEL, &t, &proof) {
@@ -187,7 +217,10 @@ impl ClientHandshake {
                 self.state = CState::Done;
                 Ok(Step::Done(None))
             }
-            (s, m) => Err(Error::protocol(format!("handshake message in state {s:?}"), m.name())),
+            (s, m) => Err(Error::protocol(
+                format!("handshake message in state {s:?}"),
+                m.name(),
+            )),
         }
     }
 }
@@ -195,7 +228,12 @@ impl ClientHandshake {
 #[derive(Debug)]
 enum SState {
     WaitHello,
-    WaitProof { role: Role, node_id: String, nonce_c: [u8; NONCE_LEN], client_has_key: bool },
+    WaitProof {
+        role: Role,
+        node_id: String,
+        nonce_c: [u8; NONCE_LEN],
+        client_has_key: bool,
+    },
     Done,
 }
 
@@ -220,7 +258,12 @@ pub struct ServerHandshake {
 impl ServerHandshake {
     /// A server handshake with a given nonce.
     pub fn new(key: Option<PreSharedKey>, nonce: [u8; NONCE_LEN]) -> Self {
-        ServerHandshake { key, nonce, state: SState::WaitHello, peer: None }
+        ServerHandshake {
+            key,
+            nonce,
+            state: SState::WaitHello,
+            peer: None,
+        }
     }
 
     /// The authenticated peer, once done.
@@ -232,12 +275,27 @@ impl ServerHandshake {
     /// sends [`refusal`] and closes.
     pub fn handle(&mut self, m: Message) -> Result<Step> {
         if let Message::Error { reason, .. } = &m {
-            return Err(Error::AuthRefused { side: "peer", reason: format!("the client refused this relay: {reason}") });
+            return Err(Error::AuthRefused {
+                side: "peer",
+                reason: format!("the client refused this relay: {reason}"),
+            });
         }
         match (&self.state, m) {
-            (SState::WaitHello, Message::Hello { proto, role, has_key, node_id, nonce }) => {
+            (
+                SState::WaitHello,
+                Message::Hello {
+                    proto,
+                    role,
+                    has_key,
+                    node_id,
+                    nonce,
+                },
+            ) => {
                 if proto != PROTO_VERSION {
-                    return Err(Error::protocol(format!("protocol version {PROTO_VERSION}"), format!("version {proto}")));
+                    return Err(Error::protocol(
+                        format!("protocol version {PROTO_VERSION}"),
+                        format!("version {proto}"),
+                    ));
                 }
                 if self.key.is_some() && !has_key {
                     return Err(Error::AuthRefused {
@@ -245,15 +303,46 @@ impl ServerHandshake {
                         reason: format!("{role:?} {node_id:?} presented no pre-shared key; this relay requires one (--key-file)"),
                     });
                 }
-                let t = Transcript { role, nonce_c: &nonce, nonce_s: &self.nonce, node_id: &node_id };
-                let proof = self.key.as_ref().map(|k| k.proof(SERVER_LABEL, &t)).unwrap_or([0; PROOF_LEN]);
-                let reply = Message::ServerHello { has_key: self.key.is_some(), nonce: self.nonce, proof };
-                self.state = SState::WaitProof { role, node_id, nonce_c: nonce, client_has_key: has_key };
+                let t = Transcript {
+                    role,
+                    nonce_c: &nonce,
+                    nonce_s: &self.nonce,
+                    node_id: &node_id,
+                };
+                let proof = self
+                    .key
+                    .as_ref()
+                    .map(|k| k.proof(SERVER_LABEL, &t))
+                    .unwrap_or([0; PROOF_LEN]);
+                let reply = Message::ServerHello {
+                    has_key: self.key.is_some(),
+                    nonce: self.nonce,
+                    proof,
+                };
+                self.state = SState::WaitProof {
+                    role,
+                    node_id,
+                    nonce_c: nonce,
+                    client_has_key: has_key,
+                };
                 Ok(Step::Send(reply))
             }
-            (SState::WaitProof { role, node_id, nonce_c, client_has_key }, Message::ClientProof { proof }) => {
+            (
+                SState::WaitProof {
+                    role,
+                    node_id,
+                    nonce_c,
+                    client_has_key,
+                },
+                Message::ClientProof { proof },
+            ) => {
                 if let Some(k) = &self.key {
-                    let t = Transcript { role: *role, nonce_c, nonce_s: &self.nonce, node_id };
+                    let t = Transcript {
+                        role: *role,
+                        nonce_c,
+                        nonce_s: &self.nonce,
+                        node_id,
+                    };
                     if !k.verify(CLIENT_LABEL, &t, &proof) {
                         return Err(Error::AuthRefused {
                             side: "local",
@@ -264,11 +353,17 @@ impl ServerHandshake {
                     // The client refuses us itself; it will not send a proof. Reaching here
                     // means it ignored the mismatch: still fine for an unkeyed relay.
                 }
-                self.peer = Some(Peer { role: *role, node_id: node_id.clone() });
+                self.peer = Some(Peer {
+                    role: *role,
+                    node_id: node_id.clone(),
+                });
                 self.state = SState::Done;
                 Ok(Step::Done(Some(Message::AuthOk)))
             }
-            (s, m) => Err(Error::protocol(format!("handshake message in state {s:?}"), m.name())),
+            (s, m) => Err(Error::protocol(
+                format!("handshake message in state {s:?}"),
+                m.name(),
+            )),
         }
     }
 }
@@ -276,8 +371,14 @@ impl ServerHandshake {
 /// The message a server sends before closing on a handshake error.
 pub fn refusal(e: &Error) -> Message {
     match e {
-        Error::AuthRefused { reason, .. } => Message::Error { code: code::AUTH_REFUSED, reason: reason.clone() },
-        other => Message::Error { code: code::PROTOCOL, reason: other.to_string() },
+        Error::AuthRefused { reason, .. } => Message::Error {
+            code: code::AUTH_REFUSED,
+            reason: reason.clone(),
+        },
+        other => Message::Error {
+            code: code::PROTOCOL,
+            reason: other.to_string(),
+        },
     }
 }
 
@@ -340,30 +441,50 @@ mod tests {
     fn wrong_key_refused_by_client_first() {
         // The server proves first, so a client with another key refuses the server.
         let (c, s) = run(Some(K2), Some(K1));
-        assert!(matches!(c, Err(Error::AuthRefused { side: "local", .. })), "{c:?}");
+        assert!(
+            matches!(c, Err(Error::AuthRefused { side: "local", .. })),
+            "{c:?}"
+        );
         s.unwrap();
     }
 
     #[test]
     fn missing_key_refused_by_server() {
         let (c, s) = run(None, Some(K1));
-        assert!(matches!(c, Err(Error::AuthRefused { side: "parent", .. })), "{c:?}");
-        assert!(matches!(s, Err(Error::AuthRefused { side: "local", .. })), "{s:?}");
+        assert!(
+            matches!(c, Err(Error::AuthRefused { side: "parent", .. })),
+            "{c:?}"
+        );
+        assert!(
+            matches!(s, Err(Error::AuthRefused { side: "local", .. })),
+            "{s:?}"
+        );
     }
 
     #[test]
     fn keyed_client_refuses_unkeyed_server() {
         let (c, _) = run(Some(K1), None);
-        assert!(matches!(c, Err(Error::AuthRefused { side: "local", .. })), "{c:?}");
+        assert!(
+            matches!(c, Err(Error::AuthRefused { side: "local", .. })),
+            "{c:?}"
+        );
     }
 
     #[test]
     fn forged_client_proof_refused() {
         let k = PreSharedKey::new(K1).unwrap();
         let mut s = ServerHandshake::new(Some(k), [2; 32]);
-        let hello = Message::Hello { proto: 1, role: Role::Relay, has_key: true, node_id: "x".into(), nonce: [3; 32] };
+        let hello = Message::Hello {
+            proto: 1,
+            role: Role::Relay,
+            has_key: true,
+            node_id: "x".into(),
+            nonce: [3; 32],
+        };
         assert!(matches!(s.handle(hello).unwrap(), Step::Send(_)));
-        let e = s.handle(Message::ClientProof { proof: [0; 32] }).unwrap_err();
+        let e = s
+            .handle(Message::ClientProof { proof: [0; 32] })
+            .unwrap_err();
         assert!(matches!(e, Error::AuthRefused { .. }));
     }
 

@@ -15,7 +15,12 @@ impl TokenBucket {
     /// `rate` bytes per second, holding at most `burst` bytes (starts full).
     pub fn new(rate: u64, burst: u64, now: Instant) -> Self {
         let burst = burst.max(1) as f64;
-        TokenBucket { rate: rate.max(1) as f64, burst, tokens: burst, last: now }
+        TokenBucket {
+            rate: rate.max(1) as f64,
+            burst,
+            tokens: burst,
+            last: now,
+        }
     }
 
     fn refill(&mut self, now: Instant) {

@@ -31,21 +31,39 @@ pub struct Cursor {
 impl Cursor {
     /// A receiver of one version `>= from_version`.
     pub fn once(from_version: u64) -> Self {
-        Cursor { from_version, follow: false, version: None, next_seq: 0, have_header: false, ended: false }
+        Cursor {
+            from_version,
+            follow: false,
+            version: None,
+            next_seq: 0,
+            have_header: false,
+            ended: false,
+        }
     }
 
     /// A follower of every version `>= from_version` (relays).
     pub fn follow(from_version: u64) -> Self {
-        Cursor { follow: true, ..Self::once(from_version) }
+        Cursor {
+            follow: true,
+            ..Self::once(from_version)
+        }
     }
 
     /// The `Subscribe` message for a (re)connection.
     pub fn subscribe_msg(&self) -> Message {
         let resume = match self.version {
-            Some(v) if !self.ended => Some(Resume { version: v, next_seq: self.next_seq, have_header: self.have_header }),
+            Some(v) if !self.ended => Some(Resume {
+                version: v,
+                next_seq: self.next_seq,
+                have_header: self.have_header,
+            }),
             _ => None,
         };
-        Message::Subscribe { from_version: self.from_version, follow: self.follow, resume }
+        Message::Subscribe {
+            from_version: self.from_version,
+            follow: self.follow,
+            resume,
+        }
     }
 
     /// Accept a stream message, checking order; `Ok(false)` for a duplicate to skip.
@@ -53,7 +71,10 @@ impl Cursor {
         match m {
             Message::Header { version, .. } => {
                 if *version < self.from_version {
-                    return Err(Error::protocol(format!("a version >= {}", self.from_version), format!("Header of version {version}")));
+                    return Err(Error::protocol(
+                        format!("a version >= {}", self.from_version),
+                        format!("Header of version {version}"),
+                    ));
                 }
                 match self.version {
                     Some(v) if v == *version && !self.ended => {
@@ -62,10 +83,16 @@ impl Cursor {
                         }
                     }
                     Some(v) if !self.ended => {
-                        return Err(Error::protocol(format!("the rest of version {v}"), format!("Header of version {version}")));
+                        return Err(Error::protocol(
+                            format!("the rest of version {v}"),
+                            format!("Header of version {version}"),
+                        ));
                     }
                     Some(v) if *version <= v => {
-                        return Err(Error::protocol(format!("a version above {v}"), format!("Header of version {version}")));
+                        return Err(Error::protocol(
+                            format!("a version above {v}"),
+                            format!("Header of version {version}"),
+                        ));
                     }
                     _ => {
                         self.version = Some(*version);
@@ -82,7 +109,10 @@ impl Cursor {
                     return Ok(false);
                 }
                 if *seq > self.next_seq {
-                    return Err(Error::protocol(format!("chunk {} of version {version}", self.next_seq), format!("chunk {seq}")));
+                    return Err(Error::protocol(
+                        format!("chunk {} of version {version}", self.next_seq),
+                        format!("chunk {seq}"),
+                    ));
                 }
                 self.next_seq += 1;
                 Ok(true)
@@ -90,7 +120,10 @@ impl Cursor {
             Message::End { version, count, .. } => {
                 self.check_open(*version, "End")?;
                 if *count != self.next_seq {
-                    return Err(Error::protocol(format!("End after {} chunks", self.next_seq), format!("End with count {count}")));
+                    return Err(Error::protocol(
+                        format!("End after {} chunks", self.next_seq),
+                        format!("End with count {count}"),
+                    ));
                 }
                 self.ended = true;
                 if self.follow {
@@ -106,7 +139,10 @@ impl Cursor {
         match self.version {
             Some(v) if v == version && self.have_header && !self.ended => Ok(()),
             _ => Err(Error::protocol(
-                format!("{what} of the open version {:?}", self.version.filter(|_| !self.ended)),
+                format!(
+                    "{what} of the open version {:?}",
+                    self.version.filter(|_| !self.ended)
+                ),
                 format!("{what} of version {version}"),
             )),
         }
@@ -172,7 +208,13 @@ pub struct ClientSettings {
 }
 
 impl ClientConn {
-    fn new(s: &ClientSettings, role: Role, kind: Kind, nonce: [u8; NONCE_LEN], now: Instant) -> Self {
+    fn new(
+        s: &ClientSettings,
+        role: Role,
+        kind: Kind,
+        nonce: [u8; NONCE_LEN],
+        now: Instant,
+    ) -> Self {
         let mut hs = ClientHandshake::new(s.key.clone(), role, s.node_id.clone(), nonce);
         let mut out = BytesMut::new();
         hs.start().encode(&mut out);
@@ -191,7 +233,13 @@ impl ClientConn {
 
     /// A receiver (subscriber, or a relay's upstream link when `role` is `Relay`).
     /// It subscribes from `cursor` as soon as it is authenticated.
-    pub fn receiver(s: &ClientSettings, role: Role, cursor: Cursor, nonce: [u8; NONCE_LEN], now: Instant) -> Self {
+    pub fn receiver(
+        s: &ClientSettings,
+        role: Role,
+        cursor: Cursor,
+        nonce: [u8; NONCE_LEN],
+        now: Instant,
+    ) -> Self {
         let sub = cursor.subscribe_msg();
         let mut c = Self::new(s, role, Kind::Receiver(cursor), nonce, now);
         c.pending_after_auth.push(sub);
@@ -200,14 +248,26 @@ impl ClientConn {
 
     /// An ack-only connection: authenticates, sends `ack`, expects `AckReceived`.
     pub fn acker(s: &ClientSettings, ack: Ack, nonce: [u8; NONCE_LEN], now: Instant) -> Self {
-        let mut c = Self::new(s, Role::Subscriber, Kind::Receiver(Cursor::once(u64::MAX)), nonce, now);
+        let mut c = Self::new(
+            s,
+            Role::Subscriber,
+            Kind::Receiver(Cursor::once(u64::MAX)),
+            nonce,
+            now,
+        );
         c.pending_after_auth.push(Message::Ack(ack));
         c
     }
 
     /// A publisher connection to a root relay.
     pub fn publisher(s: &ClientSettings, nonce: [u8; NONCE_LEN], now: Instant) -> Self {
-        Self::new(s, Role::Publisher, Kind::Publisher(PubState::default()), nonce, now)
+        Self::new(
+            s,
+            Role::Publisher,
+            Kind::Publisher(PubState::default()),
+            nonce,
+            now,
+        )
     }
 
     /// Whether the handshake completed.
@@ -237,7 +297,7 @@ impl ClientConn {
     /// Decode and handle whatever is buffered.
     pub fn process(&mut self, now: Instant) -> Result<()> {
         self.last_rx = now;
-        while let Some(m) = self.framer.next()? {
+        while let Some(m) = self.framer.next_message()? {
             self.handle_message(m)?;
         }
         Ok(())
@@ -258,9 +318,17 @@ impl ClientConn {
                     }
                 }
                 Err(e) => {
-                    if let Error::AuthRefused { side: "local", reason } = &e {
+                    if let Error::AuthRefused {
+                        side: "local",
+                        reason,
+                    } = &e
+                    {
                         // Tell the server why, so it can log the refusal too.
-                        Message::Error { code: code::AUTH_REFUSED, reason: reason.clone() }.encode(&mut self.out);
+                        Message::Error {
+                            code: code::AUTH_REFUSED,
+                            reason: reason.clone(),
+                        }
+                        .encode(&mut self.out);
                     }
                     return Err(e);
                 }
@@ -270,27 +338,37 @@ impl ClientConn {
         match m {
             Message::Heartbeat => Ok(()),
             Message::Error { code: c, reason } => Err(match c {
-                code::RESUME_UNAVAILABLE => Error::ResumeUnavailable { version: 0, seq: 0, reason },
-                code::AUTH_REFUSED => Error::AuthRefused { side: "parent", reason },
+                code::RESUME_UNAVAILABLE => Error::ResumeUnavailable {
+                    version: 0,
+                    seq: 0,
+                    reason,
+                },
+                code::AUTH_REFUSED => Error::AuthRefused {
+                    side: "parent",
+                    reason,
+                },
                 _ => Error::Remote { code: c, reason },
             }),
             Message::AckReceived { version, node_id } => {
-                self.events.push_back(Event::AckReceived { version, node_id });
+                self.events
+                    .push_back(Event::AckReceived { version, node_id });
                 Ok(())
             }
             Message::Ack(a) if matches!(self.kind, Kind::Publisher(_)) => {
                 self.events.push_back(Event::Ack(a));
                 Ok(())
             }
-            m @ (Message::Header { .. } | Message::Chunk { .. } | Message::End { .. }) => match &mut self.kind {
-                Kind::Receiver(c) => {
-                    if c.accept(&m)? {
-                        self.events.push_back(Event::Stream(m));
+            m @ (Message::Header { .. } | Message::Chunk { .. } | Message::End { .. }) => {
+                match &mut self.kind {
+                    Kind::Receiver(c) => {
+                        if c.accept(&m)? {
+                            self.events.push_back(Event::Stream(m));
+                        }
+                        Ok(())
                     }
-                    Ok(())
+                    Kind::Publisher(_) => Err(Error::protocol("acks from the relay", m.name())),
                 }
-                Kind::Publisher(_) => Err(Error::protocol("acks from the relay", m.name())),
-            },
+            }
             other => Err(Error::protocol("a stream message or an ack", other.name())),
         }
     }
@@ -314,11 +392,20 @@ impl ClientConn {
         self.idle_timeout.map(|d| self.last_rx + d)
     }
 
+    /// Restart the idle timer (after the application spent time in a callback:
+    /// that is not the parent's silence).
+    pub fn reset_idle(&mut self, now: Instant) {
+        self.last_rx = now;
+    }
+
     /// The clock reached [`ClientConn::poll_timeout`]: the parent is silent.
     pub fn handle_timeout(&mut self, now: Instant) -> Result<()> {
         if let Some(d) = self.idle_timeout {
             if now >= self.last_rx + d {
-                return Err(Error::Timeout { after_ms: d.as_millis() as u64, during: "waiting for the parent (no data nor heartbeat)".into() });
+                return Err(Error::Timeout {
+                    after_ms: d.as_millis() as u64,
+                    during: "waiting for the parent (no data nor heartbeat)".into(),
+                });
             }
         }
         Ok(())
@@ -337,7 +424,10 @@ impl ClientConn {
     fn pub_state(&mut self) -> Result<&mut PubState> {
         match &mut self.kind {
             Kind::Publisher(p) => Ok(p),
-            Kind::Receiver(_) => Err(Error::protocol("a publisher connection", "a receiver connection")),
+            Kind::Receiver(_) => Err(Error::protocol(
+                "a publisher connection",
+                "a receiver connection",
+            )),
         }
     }
 
@@ -345,7 +435,10 @@ impl ClientConn {
     pub fn send_header(&mut self, version: u64, blob: Bytes) -> Result<()> {
         let p = self.pub_state()?;
         if p.version.is_some() {
-            return Err(Error::protocol("one version per publisher connection", "a second header"));
+            return Err(Error::protocol(
+                "one version per publisher connection",
+                "a second header",
+            ));
         }
         p.version = Some(version);
         self.queue_pub(Message::Header { version, blob });
@@ -356,10 +449,16 @@ impl ClientConn {
     pub fn send_chunk(&mut self, blob: Bytes) -> Result<u32> {
         let p = self.pub_state()?;
         let (Some(version), false) = (p.version, p.ended) else {
-            return Err(Error::protocol("a chunk after the header and before the end", "a chunk out of place"));
+            return Err(Error::protocol(
+                "a chunk after the header and before the end",
+                "a chunk out of place",
+            ));
         };
         let seq = p.next_seq;
-        p.next_seq = p.next_seq.checked_add(1).ok_or_else(|| Error::protocol("fewer than 2^32 chunks", "more"))?;
+        p.next_seq = p
+            .next_seq
+            .checked_add(1)
+            .ok_or_else(|| Error::protocol("fewer than 2^32 chunks", "more"))?;
         self.queue_pub(Message::Chunk { version, seq, blob });
         Ok(seq)
     }
@@ -368,11 +467,18 @@ impl ClientConn {
     pub fn send_end(&mut self, trailer: Bytes) -> Result<u32> {
         let p = self.pub_state()?;
         let (Some(version), false) = (p.version, p.ended) else {
-            return Err(Error::protocol("an end after the header", "an end out of place"));
+            return Err(Error::protocol(
+                "an end after the header",
+                "an end out of place",
+            ));
         };
         p.ended = true;
         let count = p.next_seq;
-        self.queue_pub(Message::End { version, count, trailer });
+        self.queue_pub(Message::End {
+            version,
+            count,
+            trailer,
+        });
         Ok(count)
     }
 

@@ -20,7 +20,12 @@ fn key() -> Option<PreSharedKey> {
 }
 
 fn settings(id: &str, key: Option<PreSharedKey>) -> ClientSettings {
-    ClientSettings { key, node_id: id.into(), max_frame: 1 << 20, idle_timeout: None }
+    ClientSettings {
+        key,
+        node_id: id.into(),
+        max_frame: 1 << 20,
+        idle_timeout: None,
+    }
 }
 
 struct Link {
@@ -67,13 +72,34 @@ struct World {
 
 impl World {
     fn new(mtu: usize) -> Self {
-        World { relays: vec![], subs: vec![], publ: None, pub_acks: vec![], mtu, now: Instant::now() }
+        World {
+            relays: vec![],
+            subs: vec![],
+            publ: None,
+            pub_acks: vec![],
+            mtu,
+            now: Instant::now(),
+        }
     }
 
     fn relay(&mut self, retention: usize, spill: bool) -> usize {
-        let sp: Option<Box<dyn super::store::Spill>> = if spill { Some(Box::<MemSpill>::default()) } else { None };
-        let store = Store::new(StoreConfig { retention_bytes: retention, keep_versions: 2 }, sp);
-        self.relays.push(RelayNode { hub: Hub::new(store), links: vec![], up: None });
+        let sp: Option<Box<dyn super::store::Spill>> = if spill {
+            Some(Box::<MemSpill>::default())
+        } else {
+            None
+        };
+        let store = Store::new(
+            StoreConfig {
+                retention_bytes: retention,
+                keep_versions: 2,
+            },
+            sp,
+        );
+        self.relays.push(RelayNode {
+            hub: Hub::new(store),
+            links: vec![],
+            up: None,
+        });
         self.relays.len() - 1
     }
 
@@ -104,7 +130,13 @@ impl World {
             cur.next_seq = r.next_seq;
             cur.have_header = true;
         }
-        let conn = ClientConn::receiver(&settings(&format!("relay-{child}"), key()), Role::Relay, cur, [child as u8; 32], self.now);
+        let conn = ClientConn::receiver(
+            &settings(&format!("relay-{child}"), key()),
+            Role::Relay,
+            cur,
+            [child as u8; 32],
+            self.now,
+        );
         self.relays[child].up = Some((conn, parent, l, 0));
     }
 
@@ -112,8 +144,21 @@ impl World {
         let l = self.link(parent, key());
         let cursor = Cursor::once(0);
         let id = format!("sub-{}", self.subs.len());
-        let conn = ClientConn::receiver(&settings(&id, k), Role::Subscriber, cursor.clone(), [1; 32], self.now);
-        self.subs.push(Sub { conn, at: (parent, l), got: vec![], cursor, error: None, acked: vec![] });
+        let conn = ClientConn::receiver(
+            &settings(&id, k),
+            Role::Subscriber,
+            cursor.clone(),
+            [1; 32],
+            self.now,
+        );
+        self.subs.push(Sub {
+            conn,
+            at: (parent, l),
+            got: vec![],
+            cursor,
+            error: None,
+            acked: vec![],
+        });
         self.subs.len() - 1
     }
 
@@ -124,17 +169,31 @@ impl World {
         let l = self.link(parent, key());
         let id = format!("sub-{s}");
         let cur = self.subs[s].cursor.clone();
-        self.subs[s].conn = ClientConn::receiver(&settings(&id, key()), Role::Subscriber, cur, [2; 32], self.now);
+        self.subs[s].conn = ClientConn::receiver(
+            &settings(&id, key()),
+            Role::Subscriber,
+            cur,
+            [2; 32],
+            self.now,
+        );
         self.subs[s].at = (parent, l);
         self.subs[s].error = None;
     }
 
     fn publisher(&mut self, root: usize) {
         let l = self.link(root, key());
-        self.publ = Some((ClientConn::publisher(&settings("pub", key()), [3; 32], self.now), root, l));
+        self.publ = Some((
+            ClientConn::publisher(&settings("pub", key()), [3; 32], self.now),
+            root,
+            l,
+        ));
     }
 
-    fn feed<F: FnMut(&[u8]) -> crate::error::Result<()>>(buf: &mut BytesMut, mtu: usize, mut f: F) -> crate::error::Result<()> {
+    fn feed<F: FnMut(&[u8]) -> crate::error::Result<()>>(
+        buf: &mut BytesMut,
+        mtu: usize,
+        mut f: F,
+    ) -> crate::error::Result<()> {
         while !buf.is_empty() {
             let n = mtu.min(buf.len());
             let piece = buf.split_to(n);
@@ -192,18 +251,35 @@ impl World {
                             _ => link.child = Some(r.hub.add_child(peer.node_id)),
                         },
                         ServerEvent::Message(m) => match m {
-                            Message::Subscribe { from_version, follow, resume } => {
-                                if let Err(e) = r.hub.subscribe(link.child.unwrap(), from_version, follow, resume) {
-                                    link.server.send(&Message::Error { code: code::RESUME_UNAVAILABLE, reason: e.to_string() });
+                            Message::Subscribe {
+                                from_version,
+                                follow,
+                                resume,
+                            } => {
+                                if let Err(e) = r.hub.subscribe(
+                                    link.child.unwrap(),
+                                    from_version,
+                                    follow,
+                                    resume,
+                                ) {
+                                    link.server.send(&Message::Error {
+                                        code: code::RESUME_UNAVAILABLE,
+                                        reason: e.to_string(),
+                                    });
                                     link.closed = true;
                                 }
                             }
                             Message::Ack(a) => {
-                                let ack_msg = Message::AckReceived { version: a.version, node_id: a.node_id.clone() };
+                                let ack_msg = Message::AckReceived {
+                                    version: a.version,
+                                    node_id: a.node_id.clone(),
+                                };
                                 r.hub.on_ack(a);
                                 link.server.send(&ack_msg);
                             }
-                            m @ (Message::Header { .. } | Message::Chunk { .. } | Message::End { .. }) => {
+                            m @ (Message::Header { .. }
+                            | Message::Chunk { .. }
+                            | Message::End { .. }) => {
                                 if let Message::Header { version, .. } = &m {
                                     link.publisher_version = Some(*version);
                                 }
@@ -223,7 +299,10 @@ impl World {
                             ChildPoll::Send(m) => link.server.send(&m),
                             ChildPoll::Wait | ChildPoll::Done => break,
                             ChildPoll::Fail(e) => {
-                                link.server.send(&Message::Error { code: code::RESUME_UNAVAILABLE, reason: e.to_string() });
+                                link.server.send(&Message::Error {
+                                    code: code::RESUME_UNAVAILABLE,
+                                    reason: e.to_string(),
+                                });
                                 link.closed = true;
                                 break;
                             }
@@ -285,7 +364,9 @@ impl World {
             }
         }
         for i in 0..self.relays.len() {
-            let Some((_, p, l, _)) = &self.relays[i].up else { continue };
+            let Some((_, p, l, _)) = &self.relays[i].up else {
+                continue;
+            };
             let (p, l) = (*p, *l);
             let mut s2c = std::mem::take(&mut self.relays[p].links[l].s2c);
             let node = &mut self.relays[i];
@@ -316,14 +397,24 @@ impl World {
 }
 
 fn chunks(n: usize) -> Vec<Bytes> {
-    (0..n).map(|i| Bytes::from(vec![(i % 251) as u8; 100 + (i * 37) % 300])).collect()
+    (0..n)
+        .map(|i| Bytes::from(vec![(i % 251) as u8; 100 + (i * 37) % 300]))
+        .collect()
 }
 
 fn check_stream(got: &[Message], version: u64, data: &[Bytes], trailer: &[u8]) {
-    assert!(matches!(&got[0], Message::Header { version: v, .. } if *v == version), "{:?}", got.first());
+    assert!(
+        matches!(&got[0], Message::Header { version: v, .. } if *v == version),
+        "{:?}",
+        got.first()
+    );
     for (i, d) in data.iter().enumerate() {
         match &got[1 + i] {
-            Message::Chunk { version: v, seq, blob } => {
+            Message::Chunk {
+                version: v,
+                seq,
+                blob,
+            } => {
                 assert_eq!((*v, *seq as usize), (version, i));
                 assert_eq!(blob, d);
             }
@@ -331,11 +422,23 @@ fn check_stream(got: &[Message], version: u64, data: &[Bytes], trailer: &[u8]) {
         }
     }
     assert_eq!(got.len(), data.len() + 2, "exactly once");
-    assert!(matches!(&got[data.len() + 1], Message::End { count, trailer: t, .. } if *count as usize == data.len() && t == trailer));
+    assert!(
+        matches!(&got[data.len() + 1], Message::End { count, trailer: t, .. } if *count as usize == data.len() && t == trailer)
+    );
 }
 
 fn ack(v: u64, id: &str, ok: bool) -> Ack {
-    Ack { version: v, node_id: id.into(), digest: [7; 16], ok, reason: if ok { String::new() } else { "digest mismatch".into() } }
+    Ack {
+        version: v,
+        node_id: id.into(),
+        digest: [7; 16],
+        ok,
+        reason: if ok {
+            String::new()
+        } else {
+            "digest mismatch".into()
+        },
+    }
 }
 
 #[test]
@@ -351,17 +454,27 @@ fn three_peer_tree_streams_cut_through_and_collects_acks() {
     w.settle();
     let data = chunks(20);
     let p = &mut w.publ.as_mut().unwrap().0;
-    p.send_header(5, Bytes::from_static(b"0123456789abcdef-hdr")).unwrap();
+    p.send_header(5, Bytes::from_static(b"0123456789abcdef-hdr"))
+        .unwrap();
     // Cut-through: each chunk reaches the leaves before the next is produced.
     for (i, d) in data.iter().enumerate() {
         let seq = w.publ.as_mut().unwrap().0.send_chunk(d.clone()).unwrap();
         assert_eq!(seq as usize, i);
         w.settle();
         for s in [s0, s1, s2] {
-            assert_eq!(w.subs[s].got.len(), i + 2, "sub {s} has chunk {i} before the publisher sends more");
+            assert_eq!(
+                w.subs[s].got.len(),
+                i + 2,
+                "sub {s} has chunk {i} before the publisher sends more"
+            );
         }
     }
-    w.publ.as_mut().unwrap().0.send_end(Bytes::from_static(b"trailer")).unwrap();
+    w.publ
+        .as_mut()
+        .unwrap()
+        .0
+        .send_end(Bytes::from_static(b"trailer"))
+        .unwrap();
     w.settle();
     for s in [s0, s1, s2] {
         check_stream(&w.subs[s].got, 5, &data, b"trailer");
@@ -372,9 +485,20 @@ fn three_peer_tree_streams_cut_through_and_collects_acks() {
     w.subs[s1].conn.send_ack(ack(5, "sub-1", true));
     w.subs[s2].conn.send_ack(ack(5, "sub-2", false));
     w.settle();
-    let mut ids: Vec<_> = w.pub_acks.iter().map(|a| (a.node_id.clone(), a.ok)).collect();
+    let mut ids: Vec<_> = w
+        .pub_acks
+        .iter()
+        .map(|a| (a.node_id.clone(), a.ok))
+        .collect();
     ids.sort();
-    assert_eq!(ids, vec![("sub-0".into(), true), ("sub-1".into(), true), ("sub-2".into(), false)]);
+    assert_eq!(
+        ids,
+        vec![
+            ("sub-0".into(), true),
+            ("sub-1".into(), true),
+            ("sub-2".into(), false)
+        ]
+    );
     assert_eq!(w.subs[s2].acked, vec![(5, "sub-2".to_string())]);
 }
 
@@ -388,7 +512,12 @@ fn failover_resumes_without_duplicates() {
     w.publisher(root);
     w.settle();
     let data = chunks(10);
-    w.publ.as_mut().unwrap().0.send_header(1, Bytes::from_static(b"h")).unwrap();
+    w.publ
+        .as_mut()
+        .unwrap()
+        .0
+        .send_header(1, Bytes::from_static(b"h"))
+        .unwrap();
     for d in &data[..6] {
         w.publ.as_mut().unwrap().0.send_chunk(d.clone()).unwrap();
     }
@@ -466,7 +595,11 @@ fn evicted_resume_is_refused_so_receiver_tries_elsewhere() {
     w.settle();
     let s = w.add_sub(root, key());
     w.settle();
-    assert!(matches!(w.subs[s].error, Some(Error::ResumeUnavailable { .. })), "{:?}", w.subs[s].error);
+    assert!(
+        matches!(w.subs[s].error, Some(Error::ResumeUnavailable { .. })),
+        "{:?}",
+        w.subs[s].error
+    );
     assert_eq!(w.subs[s].got.len(), 1, "only the header was delivered");
 }
 
@@ -490,7 +623,11 @@ fn corrupted_byte_detected_and_refetched_from_other_parent() {
     }
     p.send_end(Bytes::new()).unwrap();
     w.settle();
-    assert!(matches!(w.subs[s].error, Some(Error::Checksum { .. })), "{:?}", w.subs[s].error);
+    assert!(
+        matches!(w.subs[s].error, Some(Error::Checksum { .. })),
+        "{:?}",
+        w.subs[s].error
+    );
     let partial = w.subs[s].got.len();
     assert!(partial > 1 && partial < 14, "{partial}");
     w.move_sub(s, root);
@@ -503,7 +640,10 @@ fn wrong_key_refused_before_any_payload() {
     let mut w = World::new(16);
     let root = w.relay(1 << 20, false);
     w.publisher(root);
-    let s = w.add_sub(root, Some(PreSharedKey::new(b"some-other-key-0123456").unwrap()));
+    let s = w.add_sub(
+        root,
+        Some(PreSharedKey::new(b"some-other-key-0123456").unwrap()),
+    );
     let n = w.add_sub(root, None);
     w.settle();
     let p = &mut w.publ.as_mut().unwrap().0;
@@ -511,12 +651,30 @@ fn wrong_key_refused_before_any_payload() {
     p.send_chunk(Bytes::from_static(b"secret")).unwrap();
     p.send_end(Bytes::new()).unwrap();
     w.settle();
-    assert!(matches!(w.subs[s].error, Some(Error::AuthRefused { side: "local", .. })), "{:?}", w.subs[s].error);
-    assert!(matches!(w.subs[n].error, Some(Error::AuthRefused { side: "parent", .. })), "{:?}", w.subs[n].error);
+    assert!(
+        matches!(
+            w.subs[s].error,
+            Some(Error::AuthRefused { side: "local", .. })
+        ),
+        "{:?}",
+        w.subs[s].error
+    );
+    assert!(
+        matches!(
+            w.subs[n].error,
+            Some(Error::AuthRefused { side: "parent", .. })
+        ),
+        "{:?}",
+        w.subs[n].error
+    );
     for x in [s, n] {
         assert!(w.subs[x].got.is_empty());
         let link = &w.relays[root].links[w.subs[x].at.1];
-        assert!(link.error.as_deref().unwrap_or("").contains("refused"), "{:?}", link.error);
+        assert!(
+            link.error.as_deref().unwrap_or("").contains("refused"),
+            "{:?}",
+            link.error
+        );
     }
 }
 
@@ -537,10 +695,19 @@ fn follower_relay_carries_successive_versions() {
         }
         p.send_end(Bytes::new()).unwrap();
         let s = w.add_sub(mid, key());
-        w.subs[s].conn = ClientConn::receiver(&settings("x", key()), Role::Subscriber, Cursor::once(v), [5; 32], w.now);
+        w.subs[s].conn = ClientConn::receiver(
+            &settings("x", key()),
+            Role::Subscriber,
+            Cursor::once(v),
+            [5; 32],
+            w.now,
+        );
         w.subs[s].cursor = Cursor::once(v);
         w.settle();
         check_stream(&w.subs[s].got, v, &data, b"");
     }
-    assert_eq!(w.relays[mid].hub.store().versions().collect::<Vec<_>>(), vec![2, 3]);
+    assert_eq!(
+        w.relays[mid].hub.store().versions().collect::<Vec<_>>(),
+        vec![2, 3]
+    );
 }

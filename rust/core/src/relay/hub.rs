@@ -103,7 +103,13 @@ impl Hub {
     }
 
     /// A child's `Subscribe`.
-    pub fn subscribe(&mut self, id: ChildId, from_version: u64, follow: bool, resume: Option<Resume>) -> Result<()> {
+    pub fn subscribe(
+        &mut self,
+        id: ChildId,
+        from_version: u64,
+        follow: bool,
+        resume: Option<Resume>,
+    ) -> Result<()> {
         if let Some(r) = resume {
             if self.store.is_pruned(r.version) {
                 return Err(Error::ResumeUnavailable {
@@ -127,7 +133,10 @@ impl Hub {
         }
         let c = self.children.get_mut(&id).ok_or(Error::Closed("child"))?;
         if c.subscribed {
-            return Err(Error::protocol("one Subscribe per connection", "a second Subscribe"));
+            return Err(Error::protocol(
+                "one Subscribe per connection",
+                "a second Subscribe",
+            ));
         }
         c.subscribed = true;
         c.from_version = from_version;
@@ -142,66 +151,83 @@ impl Hub {
 
     /// Next message for a child.
     pub fn poll_child(&mut self, id: ChildId) -> ChildPoll {
-        let Some(c) = self.children.get_mut(&id) else { return ChildPoll::Fail(Error::Closed("child")) };
+        let Some(c) = self.children.get_mut(&id) else {
+            return ChildPoll::Fail(Error::Closed("child"));
+        };
         if !c.subscribed {
             return ChildPoll::Wait;
         }
         if c.next_seq == u32::MAX {
             return ChildPoll::Done;
         }
-        loop {
-            let v = match c.version {
-                Some(v) => v,
-                None => match self.store.first_from(c.from_version) {
-                    Some(v) => {
-                        c.version = Some(v);
-                        c.next_seq = 0;
-                        c.header_sent = false;
-                        v
-                    }
-                    None => return ChildPoll::Wait,
-                },
-            };
-            let Some(s) = self.store.stream(v) else {
-                if self.store.is_pruned(v) {
-                    return ChildPoll::Fail(Error::ResumeUnavailable {
-                        version: v,
-                        seq: c.next_seq,
-                        reason: "this relay no longer retains that version".into(),
-                    });
+        let v = match c.version {
+            Some(v) => v,
+            None => match self.store.first_from(c.from_version) {
+                Some(v) => {
+                    c.version = Some(v);
+                    c.next_seq = 0;
+                    c.header_sent = false;
+                    v
                 }
+                None => return ChildPoll::Wait,
+            },
+        };
+        let Some(s) = self.store.stream(v) else {
+            if self.store.is_pruned(v) {
+                return ChildPoll::Fail(Error::ResumeUnavailable {
+                    version: v,
+                    seq: c.next_seq,
+                    reason: "this relay no longer retains that version".into(),
+                });
+            }
+            return ChildPoll::Wait;
+        };
+        if !c.header_sent {
+            let Some(h) = s.header() else {
                 return ChildPoll::Wait;
             };
-            if !c.header_sent {
-                let Some(h) = s.header() else { return ChildPoll::Wait };
-                c.header_sent = true;
-                return ChildPoll::Send(Message::Header { version: v, blob: h.clone() });
-            }
-            if c.next_seq < s.received() {
-                let seq = c.next_seq;
-                return match self.store.get_chunk(v, seq) {
-                    Get::Ready(blob) => {
-                        c.next_seq += 1;
-                        ChildPoll::Send(Message::Chunk { version: v, seq, blob })
-                    }
-                    Get::NotYet => ChildPoll::Wait,
-                    Get::Gone(reason) => ChildPoll::Fail(Error::ResumeUnavailable { version: v, seq, reason }),
-                };
-            }
-            match s.end() {
-                Some((count, trailer)) if c.next_seq == *count => {
-                    debug_assert!(*count != u32::MAX);
-                    let msg = Message::End { version: v, count: *count, trailer: trailer.clone() };
-                    if c.follow {
-                        c.from_version = v + 1;
-                        c.version = None;
-                    } else {
-                        c.next_seq = u32::MAX; // marks done
-                    }
-                    return ChildPoll::Send(msg);
+            c.header_sent = true;
+            return ChildPoll::Send(Message::Header {
+                version: v,
+                blob: h.clone(),
+            });
+        }
+        if c.next_seq < s.received() {
+            let seq = c.next_seq;
+            return match self.store.get_chunk(v, seq) {
+                Get::Ready(blob) => {
+                    c.next_seq += 1;
+                    ChildPoll::Send(Message::Chunk {
+                        version: v,
+                        seq,
+                        blob,
+                    })
                 }
-                _ => return ChildPoll::Wait,
+                Get::NotYet => ChildPoll::Wait,
+                Get::Gone(reason) => ChildPoll::Fail(Error::ResumeUnavailable {
+                    version: v,
+                    seq,
+                    reason,
+                }),
+            };
+        }
+        match s.end() {
+            Some((count, trailer)) if c.next_seq == *count => {
+                debug_assert!(*count != u32::MAX);
+                let msg = Message::End {
+                    version: v,
+                    count: *count,
+                    trailer: trailer.clone(),
+                };
+                if c.follow {
+                    c.from_version = v + 1;
+                    c.version = None;
+                } else {
+                    c.next_seq = u32::MAX; // marks done
+                }
+                ChildPoll::Send(msg)
             }
+            _ => ChildPoll::Wait,
         }
     }
 
@@ -211,14 +237,22 @@ impl Hub {
         if c.next_seq == u32::MAX {
             return Some(0);
         }
-        let v = c.version.or_else(|| self.store.first_from(c.from_version))?;
+        let v = c
+            .version
+            .or_else(|| self.store.first_from(c.from_version))?;
         let s = self.store.stream(v)?;
-        Some(u64::from(s.received().saturating_sub(c.next_seq.min(s.received()))))
+        Some(u64::from(
+            s.received().saturating_sub(c.next_seq.min(s.received())),
+        ))
     }
 
     /// Largest lag over all children.
     pub fn max_lag(&self) -> u64 {
-        self.children.keys().filter_map(|id| self.lag(*id)).max().unwrap_or(0)
+        self.children
+            .keys()
+            .filter_map(|id| self.lag(*id))
+            .max()
+            .unwrap_or(0)
     }
 
     /// A stream message from the publisher or the parent.
@@ -226,9 +260,16 @@ impl Hub {
         match m {
             Message::Header { version, blob } => self.store.put_header(version, blob),
             Message::Chunk { version, seq, blob } => self.store.put_chunk(version, seq, blob),
-            Message::End { version, count, trailer } => self.store.put_end(version, count, trailer),
+            Message::End {
+                version,
+                count,
+                trailer,
+            } => self.store.put_end(version, count, trailer),
             Message::Heartbeat | Message::AckReceived { .. } => Ok(()),
-            other => Err(Error::protocol("Header, Chunk or End from upstream", other.name())),
+            other => Err(Error::protocol(
+                "Header, Chunk or End from upstream",
+                other.name(),
+            )),
         }
     }
 
@@ -237,7 +278,14 @@ impl Hub {
         match self.store.latest() {
             None => (0, None),
             Some((v, s)) if s.end().is_some() => (v + 1, None),
-            Some((v, s)) => (v, Some(Resume { version: v, next_seq: s.received(), have_header: true })),
+            Some((v, s)) => (
+                v,
+                Some(Resume {
+                    version: v,
+                    next_seq: s.received(),
+                    have_header: true,
+                }),
+            ),
         }
     }
 
@@ -249,7 +297,8 @@ impl Hub {
         self.ack_log.push_back(a);
         // Bound the log: forget acks of versions older than anything retained.
         if let Some(oldest) = self.store.versions().next() {
-            while self.ack_log.front().is_some_and(|f| f.version < oldest) && self.ack_log.len() > 1 {
+            while self.ack_log.front().is_some_and(|f| f.version < oldest) && self.ack_log.len() > 1
+            {
                 let f = self.ack_log.pop_front().expect("non-empty");
                 self.ack_seen.remove(&(f.version, f.node_id));
                 self.ack_base += 1;

@@ -31,7 +31,13 @@ pub struct ServerConn {
 impl ServerConn {
     /// A connection expecting a `Hello`.
     pub fn new(key: Option<PreSharedKey>, max_frame: usize, nonce: [u8; NONCE_LEN]) -> Self {
-        ServerConn { framer: Framer::new(max_frame), hs: ServerHandshake::new(key, nonce), authed: false, out: BytesMut::new(), events: VecDeque::new() }
+        ServerConn {
+            framer: Framer::new(max_frame),
+            hs: ServerHandshake::new(key, nonce),
+            authed: false,
+            out: BytesMut::new(),
+            events: VecDeque::new(),
+        }
     }
 
     /// Whether the peer is authenticated.
@@ -53,7 +59,7 @@ impl ServerConn {
     /// Decode and handle whatever is buffered. On an error the caller sends
     /// [`ServerConn::poll_transmit`] (a refusal) and closes.
     pub fn process(&mut self) -> Result<()> {
-        while let Some(m) = self.framer.next()? {
+        while let Some(m) = self.framer.next_message()? {
             if self.authed {
                 self.events.push_back(ServerEvent::Message(m));
                 continue;

@@ -43,13 +43,21 @@ pub struct MemSpill {
 impl Spill for MemSpill {
     fn put(&mut self, version: u64, data: &[u8]) -> io::Result<SpillRef> {
         let f = self.files.entry(version).or_default();
-        let r = SpillRef { version, offset: f.len() as u64, len: data.len() as u32, crc: crc32c::crc32c(data) };
+        let r = SpillRef {
+            version,
+            offset: f.len() as u64,
+            len: data.len() as u32,
+            crc: crc32c::crc32c(data),
+        };
         f.extend_from_slice(data);
         self.bytes += data.len();
         Ok(r)
     }
     fn get(&mut self, r: &SpillRef) -> io::Result<Vec<u8>> {
-        let f = self.files.get(&r.version).ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no such version"))?;
+        let f = self
+            .files
+            .get(&r.version)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no such version"))?;
         Ok(f[r.offset as usize..r.offset as usize + r.len as usize].to_vec())
     }
     fn drop_version(&mut self, version: u64) {
@@ -100,7 +108,10 @@ pub struct StoreConfig {
 
 impl Default for StoreConfig {
     fn default() -> Self {
-        StoreConfig { retention_bytes: 256 << 20, keep_versions: 2 }
+        StoreConfig {
+            retention_bytes: 256 << 20,
+            keep_versions: 2,
+        }
     }
 }
 
@@ -132,7 +143,10 @@ pub struct Store {
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Store").field("versions", &self.versions.keys().collect::<Vec<_>>()).field("mem_bytes", &self.mem_bytes).finish()
+        f.debug_struct("Store")
+            .field("versions", &self.versions.keys().collect::<Vec<_>>())
+            .field("mem_bytes", &self.mem_bytes)
+            .finish()
     }
 }
 
@@ -178,7 +192,10 @@ impl Store {
 
     /// Smallest version `>= from` whose header is held.
     pub fn first_from(&self, from: u64) -> Option<u64> {
-        self.versions.range(from..).find(|(_, s)| s.header.is_some()).map(|(v, _)| *v)
+        self.versions
+            .range(from..)
+            .find(|(_, s)| s.header.is_some())
+            .map(|(v, _)| *v)
     }
 
     /// Start a version.
@@ -191,7 +208,13 @@ impl Store {
                 ));
             }
         }
-        self.versions.insert(version, Stream { header: Some(blob), ..Default::default() });
+        self.versions.insert(
+            version,
+            Stream {
+                header: Some(blob),
+                ..Default::default()
+            },
+        );
         while self.versions.len() > self.cfg.keep_versions.max(1) {
             let (&old, _) = self.versions.iter().next().expect("non-empty");
             self.drop_version(old);
@@ -236,7 +259,10 @@ impl Store {
         let s = self.open_stream(version, "End")?;
         if count != s.slots.len() as u32 {
             return Err(Error::protocol(
-                format!("End with count {} (chunks received for version {version})", s.slots.len()),
+                format!(
+                    "End with count {} (chunks received for version {version})",
+                    s.slots.len()
+                ),
                 format!("count {count}"),
             ));
         }
@@ -247,8 +273,14 @@ impl Store {
     fn open_stream(&mut self, version: u64, what: &str) -> Result<&mut Stream> {
         match self.versions.get_mut(&version) {
             Some(s) if s.end.is_none() => Ok(s),
-            Some(_) => Err(Error::protocol(format!("{what} of an open version"), format!("version {version} already ended"))),
-            None => Err(Error::protocol(format!("{what} of a started version"), format!("version {version} has no header here"))),
+            Some(_) => Err(Error::protocol(
+                format!("{what} of an open version"),
+                format!("version {version} already ended"),
+            )),
+            None => Err(Error::protocol(
+                format!("{what} of a started version"),
+                format!("version {version} has no header here"),
+            )),
         }
     }
 
@@ -256,7 +288,9 @@ impl Store {
         // Never push out the newest chunk: children being served cut-through need it.
         while self.mem_bytes > self.cfg.retention_bytes && self.mem_order.len() > 1 {
             let (v, seq) = self.mem_order.pop_front().expect("len > 1");
-            let Some(s) = self.versions.get_mut(&v) else { continue };
+            let Some(s) = self.versions.get_mut(&v) else {
+                continue;
+            };
             let slot = &mut s.slots[seq as usize];
             let Slot::Mem(b) = slot else { continue };
             let n = b.len();
@@ -318,7 +352,13 @@ mod tests {
 
     #[test]
     fn spills_beyond_budget_and_reads_back() {
-        let mut s = Store::new(StoreConfig { retention_bytes: 250, keep_versions: 2 }, Some(Box::<MemSpill>::default()));
+        let mut s = Store::new(
+            StoreConfig {
+                retention_bytes: 250,
+                keep_versions: 2,
+            },
+            Some(Box::<MemSpill>::default()),
+        );
         s.put_header(1, Bytes::from_static(b"h")).unwrap();
         for i in 0..10u32 {
             s.put_chunk(1, i, blob(100, i as u8)).unwrap();
@@ -336,7 +376,13 @@ mod tests {
 
     #[test]
     fn evicts_without_spill_and_keeps_newest() {
-        let mut s = Store::new(StoreConfig { retention_bytes: 10, keep_versions: 2 }, None);
+        let mut s = Store::new(
+            StoreConfig {
+                retention_bytes: 10,
+                keep_versions: 2,
+            },
+            None,
+        );
         s.put_header(1, Bytes::new()).unwrap();
         s.put_chunk(1, 0, blob(100, 0)).unwrap();
         s.put_chunk(1, 1, blob(100, 1)).unwrap();
@@ -346,7 +392,13 @@ mod tests {
 
     #[test]
     fn versions_pruned_and_ordered() {
-        let mut s = Store::new(StoreConfig { retention_bytes: 1000, keep_versions: 2 }, None);
+        let mut s = Store::new(
+            StoreConfig {
+                retention_bytes: 1000,
+                keep_versions: 2,
+            },
+            None,
+        );
         for v in 1..=3 {
             s.put_header(v, Bytes::new()).unwrap();
             s.put_chunk(v, 0, blob(1, 1)).unwrap();

@@ -94,9 +94,19 @@ pub struct Ack {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Message {
     /// Client → server, first message.
-    Hello { proto: u16, role: Role, has_key: bool, node_id: String, nonce: [u8; NONCE_LEN] },
+    Hello {
+        proto: u16,
+        role: Role,
+        has_key: bool,
+        node_id: String,
+        nonce: [u8; NONCE_LEN],
+    },
     /// Server → client: server nonce and proof of the key.
-    ServerHello { has_key: bool, nonce: [u8; NONCE_LEN], proof: [u8; PROOF_LEN] },
+    ServerHello {
+        has_key: bool,
+        nonce: [u8; NONCE_LEN],
+        proof: [u8; PROOF_LEN],
+    },
     /// Client → server: proof of the key.
     ClientProof { proof: [u8; PROOF_LEN] },
     /// Server → client: authenticated; payload may flow.
@@ -104,13 +114,21 @@ pub enum Message {
     /// Either way: a fatal error; the sender closes afterwards.
     Error { code: u16, reason: String },
     /// Child → parent: what to stream.
-    Subscribe { from_version: u64, follow: bool, resume: Option<Resume> },
+    Subscribe {
+        from_version: u64,
+        follow: bool,
+        resume: Option<Resume>,
+    },
     /// Stream header of a version (opaque; first 16 bytes are the delta id).
     Header { version: u64, blob: Bytes },
     /// One chunk.
     Chunk { version: u64, seq: u32, blob: Bytes },
     /// End of a version: chunk count and opaque trailer.
-    End { version: u64, count: u32, trailer: Bytes },
+    End {
+        version: u64,
+        count: u32,
+        trailer: Bytes,
+    },
     /// Child → parent (and up the tree): a receiver's verdict.
     Ack(Ack),
     /// Parent → child: an ack was recorded.
@@ -167,7 +185,13 @@ impl Message {
         let start = out.len();
         out.put_u32_le(0); // patched below
         match self {
-            Message::Hello { proto, role, has_key, node_id, nonce } => {
+            Message::Hello {
+                proto,
+                role,
+                has_key,
+                node_id,
+                nonce,
+            } => {
                 out.put_u8(kind::HELLO);
                 out.put_u16_le(*proto);
                 out.put_u8(*role as u8);
@@ -175,7 +199,11 @@ impl Message {
                 put_text(out, node_id);
                 out.put_slice(nonce);
             }
-            Message::ServerHello { has_key, nonce, proof } => {
+            Message::ServerHello {
+                has_key,
+                nonce,
+                proof,
+            } => {
                 out.put_u8(kind::SERVER_HELLO);
                 out.put_u8(*has_key as u8);
                 out.put_slice(nonce);
@@ -191,7 +219,11 @@ impl Message {
                 out.put_u16_le(*code);
                 put_text(out, reason);
             }
-            Message::Subscribe { from_version, follow, resume } => {
+            Message::Subscribe {
+                from_version,
+                follow,
+                resume,
+            } => {
                 out.put_u8(kind::SUBSCRIBE);
                 out.put_u64_le(*from_version);
                 out.put_u8(*follow as u8);
@@ -216,7 +248,11 @@ impl Message {
                 out.put_u32_le(*seq);
                 out.put_slice(blob);
             }
-            Message::End { version, count, trailer } => {
+            Message::End {
+                version,
+                count,
+                trailer,
+            } => {
                 out.put_u8(kind::END);
                 out.put_u64_le(*version);
                 out.put_u32_le(*count);
@@ -280,12 +316,41 @@ impl Message {
     /// Frame the message without copying its blob.
     pub fn encode_parts(&self) -> Parts {
         let (blob, fixed): (&Bytes, Message) = match self {
-            Message::Header { version, blob } => (blob, Message::Header { version: *version, blob: Bytes::new() }),
-            Message::Chunk { version, seq, blob } => (blob, Message::Chunk { version: *version, seq: *seq, blob: Bytes::new() }),
-            Message::End { version, count, trailer } => {
-                (trailer, Message::End { version: *version, count: *count, trailer: Bytes::new() })
+            Message::Header { version, blob } => (
+                blob,
+                Message::Header {
+                    version: *version,
+                    blob: Bytes::new(),
+                },
+            ),
+            Message::Chunk { version, seq, blob } => (
+                blob,
+                Message::Chunk {
+                    version: *version,
+                    seq: *seq,
+                    blob: Bytes::new(),
+                },
+            ),
+            Message::End {
+                version,
+                count,
+                trailer,
+            } => (
+                trailer,
+                Message::End {
+                    version: *version,
+                    count: *count,
+                    trailer: Bytes::new(),
+                },
+            ),
+            _ => {
+                return Parts {
+                    head: self.to_bytes(),
+                    blob: Bytes::new(),
+                    tail: [0; 4],
+                    has_tail: false,
+                }
             }
-            _ => return Parts { head: self.to_bytes(), blob: Bytes::new(), tail: [0; 4], has_tail: false },
         };
         let mut head = BytesMut::with_capacity(32);
         fixed.encode(&mut head);
@@ -293,7 +358,12 @@ impl Message {
         let body_len = head.len() - 4 + blob.len();
         head[0..4].copy_from_slice(&(body_len as u32).to_le_bytes());
         let crc = crc32c::crc32c_append(crc32c::crc32c(&head[4..]), blob);
-        Parts { head: head.freeze(), blob: blob.clone(), tail: crc.to_le_bytes(), has_tail: true }
+        Parts {
+            head: head.freeze(),
+            blob: blob.clone(),
+            tail: crc.to_le_bytes(),
+            has_tail: true,
+        }
     }
 }
 
@@ -320,12 +390,21 @@ pub fn decode(buf: &mut BytesMut, max_frame: usize) -> Result<Option<Message>> {
     }
     let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
     if len == 0 {
-        return Err(Error::protocol("a frame of at least 1 byte", "an empty frame"));
+        return Err(Error::protocol(
+            "a frame of at least 1 byte",
+            "an empty frame",
+        ));
     }
     if len > max_frame {
-        return Err(Error::FrameTooLarge { len: len as u64, max: max_frame as u64 });
+        return Err(Error::FrameTooLarge {
+            len: len as u64,
+            max: max_frame as u64,
+        });
     }
-    let total = 4usize.checked_add(len).and_then(|x| x.checked_add(4)).expect("bounded by max_frame");
+    let total = 4usize
+        .checked_add(len)
+        .and_then(|x| x.checked_add(4))
+        .expect("bounded by max_frame");
     if buf.len() < total {
         // Reserve at most what this (bounded) frame needs.
         buf.reserve(total - buf.len());
@@ -388,7 +467,10 @@ impl Rd<'_> {
     fn text(&mut self) -> Result<String> {
         let n = self.u16()? as usize;
         if n > MAX_TEXT {
-            return Err(Error::protocol(format!("a text field of at most {MAX_TEXT} bytes"), format!("{n} bytes")));
+            return Err(Error::protocol(
+                format!("a text field of at most {MAX_TEXT} bytes"),
+                format!("{n} bytes"),
+            ));
         }
         self.need(n)?;
         let b = self.0.split_to(n);
@@ -418,33 +500,59 @@ fn parse_body(k: u8, body: &mut Bytes) -> Result<Message> {
             node_id: r.text()?,
             nonce: r.arr()?,
         },
-        kind::SERVER_HELLO => Message::ServerHello { has_key: r.bool()?, nonce: r.arr()?, proof: r.arr()? },
+        kind::SERVER_HELLO => Message::ServerHello {
+            has_key: r.bool()?,
+            nonce: r.arr()?,
+            proof: r.arr()?,
+        },
         kind::CLIENT_PROOF => Message::ClientProof { proof: r.arr()? },
         kind::AUTH_OK => Message::AuthOk,
-        kind::ERROR => Message::Error { code: r.u16()?, reason: r.text()? },
+        kind::ERROR => Message::Error {
+            code: r.u16()?,
+            reason: r.text()?,
+        },
         kind::SUBSCRIBE => {
             let from_version = r.u64()?;
             let follow = r.bool()?;
             let resume = if r.bool()? {
-                Some(Resume { version: r.u64()?, next_seq: r.u32()?, have_header: r.bool()? })
+                Some(Resume {
+                    version: r.u64()?,
+                    next_seq: r.u32()?,
+                    have_header: r.bool()?,
+                })
             } else {
                 None
             };
-            Message::Subscribe { from_version, follow, resume }
+            Message::Subscribe {
+                from_version,
+                follow,
+                resume,
+            }
         }
         kind::HEADER => {
             let version = r.u64()?;
-            return Ok(Message::Header { version, blob: r.rest() });
+            return Ok(Message::Header {
+                version,
+                blob: r.rest(),
+            });
         }
         kind::CHUNK => {
             let version = r.u64()?;
             let seq = r.u32()?;
-            return Ok(Message::Chunk { version, seq, blob: r.rest() });
+            return Ok(Message::Chunk {
+                version,
+                seq,
+                blob: r.rest(),
+            });
         }
         kind::END => {
             let version = r.u64()?;
             let count = r.u32()?;
-            return Ok(Message::End { version, count, trailer: r.rest() });
+            return Ok(Message::End {
+                version,
+                count,
+                trailer: r.rest(),
+            });
         }
         kind::ACK => Message::Ack(Ack {
             version: r.u64()?,
@@ -453,9 +561,17 @@ fn parse_body(k: u8, body: &mut Bytes) -> Result<Message> {
             ok: r.bool()?,
             reason: r.text()?,
         }),
-        kind::ACK_RECEIVED => Message::AckReceived { version: r.u64()?, node_id: r.text()? },
+        kind::ACK_RECEIVED => Message::AckReceived {
+            version: r.u64()?,
+            node_id: r.text()?,
+        },
         kind::HEARTBEAT => Message::Heartbeat,
-        other => return Err(Error::protocol("a known message kind", format!("kind {other}"))),
+        other => {
+            return Err(Error::protocol(
+                "a known message kind",
+                format!("kind {other}"),
+            ))
+        }
     };
     r.done()?;
     Ok(m)
@@ -471,7 +587,10 @@ pub struct Framer {
 impl Framer {
     /// A decoder refusing frames longer than `max_frame`.
     pub fn new(max_frame: usize) -> Self {
-        Framer { buf: BytesMut::with_capacity(8 * 1024), max_frame }
+        Framer {
+            buf: BytesMut::with_capacity(8 * 1024),
+            max_frame,
+        }
     }
     /// Append received bytes.
     pub fn push(&mut self, data: &[u8]) {
@@ -482,7 +601,7 @@ impl Framer {
         &mut self.buf
     }
     /// Next complete message, if any.
-    pub fn next(&mut self) -> Result<Option<Message>> {
+    pub fn next_message(&mut self) -> Result<Option<Message>> {
         decode(&mut self.buf, self.max_frame)
     }
     /// Bytes buffered and not yet decoded.
@@ -497,23 +616,68 @@ mod tests {
 
     fn all() -> Vec<Message> {
         vec![
-            Message::Hello { proto: 1, role: Role::Relay, has_key: true, node_id: "r1".into(), nonce: [7; 32] },
-            Message::ServerHello { has_key: false, nonce: [1; 32], proof: [2; 32] },
+            Message::Hello {
+                proto: 1,
+                role: Role::Relay,
+                has_key: true,
+                node_id: "r1".into(),
+                nonce: [7; 32],
+            },
+            Message::ServerHello {
+                has_key: false,
+                nonce: [1; 32],
+                proof: [2; 32],
+            },
             Message::ClientProof { proof: [3; 32] },
             Message::AuthOk,
-            Message::Error { code: 2, reason: "gone".into() },
-            Message::Subscribe { from_version: 3, follow: true, resume: None },
+            Message::Error {
+                code: 2,
+                reason: "gone".into(),
+            },
+            Message::Subscribe {
+                from_version: 3,
+                follow: true,
+                resume: None,
+            },
             Message::Subscribe {
                 from_version: 0,
                 follow: false,
-                resume: Some(Resume { version: 9, next_seq: 4, have_header: true }),
+                resume: Some(Resume {
+                    version: 9,
+                    next_seq: 4,
+                    have_header: true,
+                }),
             },
-            Message::Header { version: 5, blob: Bytes::from_static(b"0123456789abcdefHDR") },
-            Message::Chunk { version: 5, seq: 0, blob: Bytes::new() },
-            Message::Chunk { version: 5, seq: 77, blob: Bytes::from(vec![9u8; 1000]) },
-            Message::End { version: 5, count: 78, trailer: Bytes::from_static(b"tr") },
-            Message::Ack(Ack { version: 5, node_id: "s".into(), digest: [4; 16], ok: false, reason: "bad".into() }),
-            Message::AckReceived { version: 5, node_id: "s".into() },
+            Message::Header {
+                version: 5,
+                blob: Bytes::from_static(b"0123456789abcdefHDR"),
+            },
+            Message::Chunk {
+                version: 5,
+                seq: 0,
+                blob: Bytes::new(),
+            },
+            Message::Chunk {
+                version: 5,
+                seq: 77,
+                blob: Bytes::from(vec![9u8; 1000]),
+            },
+            Message::End {
+                version: 5,
+                count: 78,
+                trailer: Bytes::from_static(b"tr"),
+            },
+            Message::Ack(Ack {
+                version: 5,
+                node_id: "s".into(),
+                digest: [4; 16],
+                ok: false,
+                reason: "bad".into(),
+            }),
+            Message::AckReceived {
+                version: 5,
+                node_id: "s".into(),
+            },
             Message::Heartbeat,
         ]
     }
@@ -528,7 +692,7 @@ mod tests {
         let mut got = vec![];
         for b in wire.iter() {
             f.push(&[*b]);
-            while let Some(m) = f.next().unwrap() {
+            while let Some(m) = f.next_message().unwrap() {
                 got.push(m);
             }
         }
@@ -553,16 +717,33 @@ mod tests {
     fn oversized_length_refused_before_allocation() {
         let mut b = BytesMut::from(&[0xff, 0xff, 0xff, 0xff, 1][..]);
         let e = decode(&mut b, 1024).unwrap_err();
-        assert!(matches!(e, Error::FrameTooLarge { len: 0xffff_ffff, max: 1024 }), "{e}");
+        assert!(
+            matches!(
+                e,
+                Error::FrameTooLarge {
+                    len: 0xffff_ffff,
+                    max: 1024
+                }
+            ),
+            "{e}"
+        );
         assert!(b.capacity() < 1 << 20);
     }
 
     #[test]
     fn corrupted_byte_detected() {
         let mut b = BytesMut::new();
-        Message::Chunk { version: 1, seq: 2, blob: Bytes::from(vec![5u8; 100]) }.encode(&mut b);
+        Message::Chunk {
+            version: 1,
+            seq: 2,
+            blob: Bytes::from(vec![5u8; 100]),
+        }
+        .encode(&mut b);
         b[50] ^= 0x10;
-        assert!(matches!(decode(&mut b, 1024).unwrap_err(), Error::Checksum { .. }));
+        assert!(matches!(
+            decode(&mut b, 1024).unwrap_err(),
+            Error::Checksum { .. }
+        ));
     }
 
     #[test]
@@ -573,6 +754,9 @@ mod tests {
         b.put_u32_le(body.len() as u32);
         b.put_slice(&body);
         b.put_u32_le(crc32c::crc32c(&body));
-        assert!(matches!(decode(&mut b, 1024).unwrap_err(), Error::Protocol { .. }));
+        assert!(matches!(
+            decode(&mut b, 1024).unwrap_err(),
+            Error::Protocol { .. }
+        ));
     }
 }

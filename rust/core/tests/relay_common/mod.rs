@@ -27,8 +27,14 @@ pub struct TestRelay {
 
 impl TestRelay {
     pub fn start(cfg: RelayConfig) -> Self {
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-        let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let relay = Relay::new(cfg).unwrap();
         let metrics = relay.metrics();
@@ -40,7 +46,14 @@ impl TestRelay {
             })
             .await
         });
-        TestRelay { addr, metrics, relay, stop: Some(tx), rt, task: Some(task) }
+        TestRelay {
+            addr,
+            metrics,
+            relay,
+            stop: Some(tx),
+            rt,
+            task: Some(task),
+        }
     }
 
     /// Graceful shutdown; returns once every connection task ended.
@@ -49,7 +62,11 @@ impl TestRelay {
             let _ = s.send(());
         }
         if let Some(t) = self.task.take() {
-            self.rt.block_on(async { tokio::time::timeout(Duration::from_secs(20), t).await }).expect("relay stops in time").unwrap().unwrap();
+            self.rt
+                .block_on(async { tokio::time::timeout(Duration::from_secs(20), t).await })
+                .expect("relay stops in time")
+                .unwrap()
+                .unwrap();
         }
     }
 }
@@ -108,14 +125,20 @@ pub struct Seen {
 pub fn expected(n: u32, header: &[u8], trailer: &[u8]) -> Seen {
     Seen {
         header: header.to_vec(),
-        chunks: (0..n).map(|i| (i, crc32c::crc32c(&chunk(i, chunk_len(i))))).collect(),
+        chunks: (0..n)
+            .map(|i| (i, crc32c::crc32c(&chunk(i, chunk_len(i)))))
+            .collect(),
         end: Some((n, trailer.to_vec())),
     }
 }
 
 pub struct SubHandle {
     pub progress: mpsc::Receiver<u32>,
-    pub done: mpsc::Receiver<(dcr_core::error::Result<Delivered>, Seen, Option<Subscription>)>,
+    pub done: mpsc::Receiver<(
+        dcr_core::error::Result<Delivered>,
+        Seen,
+        Option<Subscription>,
+    )>,
 }
 
 /// Run a blocking subscriber on its own thread. Each delivered chunk's seq is
@@ -159,13 +182,24 @@ impl SubHandle {
     /// Wait (bounded) until chunk `seq` was delivered.
     pub fn wait_chunk(&self, seq: u32) {
         loop {
-            let s = self.progress.recv_timeout(Duration::from_secs(30)).expect("chunk progress in time");
+            let s = self
+                .progress
+                .recv_timeout(Duration::from_secs(30))
+                .expect("chunk progress in time");
             if s >= seq {
                 return;
             }
         }
     }
-    pub fn finish(self) -> (dcr_core::error::Result<Delivered>, Seen, Option<Subscription>) {
-        self.done.recv_timeout(Duration::from_secs(90)).expect("subscriber finishes in time")
+    pub fn finish(
+        self,
+    ) -> (
+        dcr_core::error::Result<Delivered>,
+        Seen,
+        Option<Subscription>,
+    ) {
+        self.done
+            .recv_timeout(Duration::from_secs(90))
+            .expect("subscriber finishes in time")
     }
 }
