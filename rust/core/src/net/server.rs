@@ -478,6 +478,7 @@ async fn upstream_loop(shared: Arc<Shared>, mut sd: broadcast::Receiver<()>) {
     let parents = shared.cfg.parents.clone();
     let mut i = 0usize;
     let mut failures = 0u32;
+    let mut unavailable = 0usize;
     loop {
         let addr = &parents[i % parents.len()];
         let r = tokio::select! {
@@ -493,6 +494,18 @@ async fn upstream_loop(shared: Arc<Shared>, mut sd: broadcast::Receiver<()>) {
         };
         shared.metrics.upstream_failovers.fetch_add(1, Relaxed);
         failures += 1;
+        if matches!(e, Error::ResumeUnavailable { .. }) {
+            unavailable += 1;
+            if unavailable >= parents.len() {
+                // No parent can complete our partial version any more.
+                let v = shared.hub().abandon_partial();
+                warn!(node = %shared.cfg.node_id, version = ?v, "no parent holds the rest of the version; abandoning it and following newer ones");
+                shared.bump();
+                unavailable = 0;
+            }
+        } else {
+            unavailable = 0;
+        }
         i += 1;
         let next = &parents[i % parents.len()];
         warn!(node = %shared.cfg.node_id, parent = %addr, error = %e, next = %next, "upstream link lost; failing over");

@@ -144,8 +144,9 @@ impl Subscriber {
         })
     }
 
-    /// Receive one version (the first `>= from_version`), failing over
-    /// between parents as needed.
+    /// Receive one version (the first `>= from_version`; on later calls, the
+    /// first above the one received last), failing over between parents as
+    /// needed.
     pub async fn receive<R: Receiver + ?Sized>(&mut self, app: &mut R) -> Result<Delivered> {
         let deadline = self.cfg.timeout.map(|t| Instant::now() + t);
         let fut = self.receive_inner(app);
@@ -162,6 +163,12 @@ impl Subscriber {
     }
 
     async fn receive_inner<R: Receiver + ?Sized>(&mut self, app: &mut R) -> Result<Delivered> {
+        if self.cursor.is_complete() {
+            // A further receive: the next version, on a new subscription.
+            let next = self.cursor.version.map_or(self.cfg.from_version, |v| v + 1);
+            self.cursor = Cursor::once(next);
+            self.link = None;
+        }
         let n = self.cfg.parents.len();
         let attempts = n * self.cfg.max_rounds.max(1);
         let mut failovers = 0u32;

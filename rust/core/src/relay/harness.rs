@@ -711,3 +711,56 @@ fn follower_relay_carries_successive_versions() {
         vec![2, 3]
     );
 }
+
+#[test]
+fn resume_of_a_version_the_relay_skipped_is_refused() {
+    let mut w = World::new(4096);
+    let root = w.relay(1 << 20, false);
+    w.publisher(root);
+    w.settle();
+    let p = &mut w.publ.as_mut().unwrap().0;
+    p.send_header(8, Bytes::from_static(b"h")).unwrap();
+    p.send_end(Bytes::new()).unwrap();
+    w.settle();
+    let s = w.add_sub(root, key());
+    let mut cur = Cursor::once(0);
+    cur.version = Some(7);
+    cur.next_seq = 3;
+    cur.have_header = true;
+    w.subs[s].conn = ClientConn::receiver(
+        &settings("x", key()),
+        Role::Subscriber,
+        cur.clone(),
+        [5; 32],
+        w.now,
+    );
+    w.subs[s].cursor = cur;
+    w.settle();
+    assert!(
+        matches!(w.subs[s].error, Some(Error::ResumeUnavailable { .. })),
+        "{:?}",
+        w.subs[s].error
+    );
+}
+
+#[test]
+fn abandoned_partial_version_sends_children_elsewhere() {
+    let mut w = World::new(4096);
+    let root = w.relay(1 << 20, false);
+    let s = w.add_sub(root, key());
+    w.publisher(root);
+    w.settle();
+    let p = &mut w.publ.as_mut().unwrap().0;
+    p.send_header(4, Bytes::from_static(b"h")).unwrap();
+    p.send_chunk(Bytes::from_static(b"c0")).unwrap();
+    w.settle();
+    assert_eq!(w.subs[s].got.len(), 2);
+    assert_eq!(w.relays[root].hub.abandon_partial(), Some(4));
+    assert_eq!(w.relays[root].hub.upstream_resume(), (5, None));
+    w.settle();
+    assert!(
+        matches!(w.subs[s].error, Some(Error::ResumeUnavailable { .. })),
+        "{:?}",
+        w.subs[s].error
+    );
+}

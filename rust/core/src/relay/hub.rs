@@ -173,11 +173,13 @@ impl Hub {
             },
         };
         let Some(s) = self.store.stream(v) else {
-            if self.store.is_pruned(v) {
+            let skipped = self.store.latest().is_some_and(|(l, _)| l > v);
+            if self.store.is_pruned(v) || skipped {
                 return ChildPoll::Fail(Error::ResumeUnavailable {
                     version: v,
                     seq: c.next_seq,
-                    reason: "this relay no longer retains that version".into(),
+                    reason: "this relay does not hold that version (pruned or never received)"
+                        .into(),
                 });
             }
             return ChildPoll::Wait;
@@ -276,7 +278,7 @@ impl Hub {
     /// Where this relay's own upstream link resumes: `(from_version, resume)`.
     pub fn upstream_resume(&self) -> (u64, Option<Resume>) {
         match self.store.latest() {
-            None => (0, None),
+            None => (self.store.pruned_below(), None),
             Some((v, s)) if s.end().is_some() => (v + 1, None),
             Some((v, s)) => (
                 v,
@@ -287,6 +289,18 @@ impl Hub {
                 }),
             ),
         }
+    }
+
+    /// Give up the newest version if it is incomplete (no parent can resume
+    /// it any more): its children are told to go elsewhere and the upstream
+    /// link follows from the next version.
+    pub fn abandon_partial(&mut self) -> Option<u64> {
+        let (v, s) = self.store.latest()?;
+        if s.end().is_some() {
+            return None;
+        }
+        self.store.drop_version(v);
+        Some(v)
     }
 
     /// Record a receiver's ack; `true` if it was new.

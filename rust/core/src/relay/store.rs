@@ -190,6 +190,11 @@ impl Store {
         version < self.dropped_below
     }
 
+    /// Versions below this one were dropped.
+    pub fn pruned_below(&self) -> u64 {
+        self.dropped_below
+    }
+
     /// Smallest version `>= from` whose header is held.
     pub fn first_from(&self, from: u64) -> Option<u64> {
         self.versions
@@ -222,7 +227,8 @@ impl Store {
         Ok(())
     }
 
-    fn drop_version(&mut self, v: u64) {
+    /// Forget a version (its chunks, its spill); it counts as pruned afterwards.
+    pub fn drop_version(&mut self, v: u64) {
         if let Some(s) = self.versions.remove(&v) {
             for slot in &s.slots {
                 if let Slot::Mem(b) = slot {
