@@ -478,3 +478,52 @@ fn successive_versions_through_a_follower_relay() {
         assert_eq!(seen, expected(n, &[v as u8; 16], b""));
     }
 }
+
+#[test]
+fn one_subscriber_receives_successive_versions_and_acks_each() {
+    struct Count(Vec<(u64, u32)>);
+    impl dcr_core::net::Receiver for Count {
+        fn on_header(&mut self, _: u64, _: &[u8]) -> Result<(), String> {
+            Ok(())
+        }
+        fn on_chunk(&mut self, v: u64, s: u32, _: &[u8]) -> Result<(), String> {
+            self.0.push((v, s));
+            Ok(())
+        }
+        fn on_end(&mut self, _: u64, _: u32, _: &[u8]) -> Result<(), String> {
+            Ok(())
+        }
+    }
+    let root = TestRelay::start(relay_cfg("root", &[]));
+    let addr = root.addr.clone();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async move {
+        let mut sub = dcr_core::net::Subscriber::new(sub_cfg("rollout", &[&addr])).unwrap();
+        for v in [1u64, 2] {
+            let mut p = dcr_core::net::Publisher::connect(
+                pub_cfg(&addr),
+                v,
+                bytes::Bytes::from(vec![v as u8; 16]),
+            )
+            .await
+            .unwrap();
+            for i in 0..3 {
+                p.send(chunk(i, 100)).await.unwrap();
+            }
+            p.finish(Vec::new()).await.unwrap();
+            let mut c = Count(vec![]);
+            let d = sub.receive(&mut c).await.unwrap();
+            assert_eq!(d.version, v);
+            assert_eq!(c.0, vec![(v, 0), (v, 1), (v, 2)]);
+            sub.ack([v as u8; 16], true, "", Duration::from_secs(10))
+                .await
+                .unwrap();
+            let acks = p.wait_acks(1, Duration::from_secs(10)).await;
+            assert!(acks.all_committed(), "{acks:?}");
+            assert_eq!(acks.committed[0].digest, [v as u8; 16]);
+        }
+    });
+}

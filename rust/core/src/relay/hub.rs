@@ -323,8 +323,8 @@ impl Hub {
 
     /// Acks recorded from index `from` on (indices are stable), and the next index.
     pub fn acks_since(&self, from: usize) -> (Vec<Ack>, usize) {
-        let start = from.max(self.ack_base) - self.ack_base;
-        let v: Vec<Ack> = self.ack_log.iter().skip(start).cloned().collect();
+        let start = (from.max(self.ack_base) - self.ack_base).min(self.ack_log.len());
+        let v: Vec<Ack> = self.ack_log.range(start..).cloned().collect();
         (v, self.ack_base + self.ack_log.len())
     }
 

@@ -713,6 +713,34 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(data in proptest::collection::vec(proptest::num::u8::ANY, 0..600), max in 1usize..512) {
+            let mut f = Framer::new(max);
+            f.push(&data);
+            for _ in 0..data.len() + 1 {
+                match f.next_message() {
+                    Ok(Some(_)) => {}
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            proptest::prop_assert!(f.buf.capacity() <= 8 * 1024 + max + 16 + data.len());
+        }
+
+        #[test]
+        fn flipped_bit_never_decodes_silently(seq in 0u32..1000, len in 0usize..300, bit in 0usize..8, pos in 0usize..10_000) {
+            let m = Message::Chunk { version: 3, seq, blob: Bytes::from(vec![0xA5; len]) };
+            let mut b = BytesMut::new();
+            m.encode(&mut b);
+            let i = pos % b.len();
+            b[i] ^= 1 << bit;
+            match decode(&mut b, 1 << 20) {
+                Ok(Some(got)) => proptest::prop_assert!(false, "corruption decoded as {got:?}"),
+                Ok(None) | Err(_) => {}
+            }
+        }
+    }
+
     #[test]
     fn oversized_length_refused_before_allocation() {
         let mut b = BytesMut::from(&[0xff, 0xff, 0xff, 0xff, 1][..]);
