@@ -559,3 +559,73 @@ fn rate_limited_dense_stream_with_spill() {
     let rep = publisher.join().unwrap().unwrap();
     assert!(rep.acks.all_committed());
 }
+
+#[test]
+fn mutual_tls_tree_of_processes() {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+    let (dir, key_file) = setup();
+    let d = dir.path();
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_p = CertificateParams::new(vec![]).unwrap();
+    ca_p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca_p.self_signed(&ca_key).unwrap();
+    // One certificate for every node (a server and client certificate for 127.0.0.1).
+    let node_key = KeyPair::generate().unwrap();
+    let node = CertificateParams::new(vec!["127.0.0.1".into()])
+        .unwrap()
+        .signed_by(&node_key, &ca, &ca_key)
+        .unwrap();
+    for (n, s) in [
+        ("ca.pem", ca.pem()),
+        ("node.pem", node.pem()),
+        ("node.key", node_key.serialize_pem()),
+    ] {
+        std::fs::write(d.join(n), s).unwrap();
+    }
+    let p = |n: &str| d.join(n).to_str().unwrap().to_string();
+    let tls = [p("node.pem"), p("node.key"), p("ca.pem")];
+    let server = [
+        "--tls-cert",
+        &tls[0],
+        "--tls-key",
+        &tls[1],
+        "--tls-client-ca",
+        &tls[2],
+    ];
+    let root = Relay::start(d, "root", &key_file, &[], &server);
+    let mut mid_args = server.to_vec();
+    mid_args.extend(["--parent-tls-ca", &tls[2]]);
+    let mid = Relay::start(d, "mid", &key_file, &[&root.addr], &mid_args);
+    let ctls = net::ClientTls::from_pem_files(
+        &d.join("ca.pem"),
+        Some((&d.join("node.pem"), &d.join("node.key"))),
+    )
+    .unwrap();
+    let mut sc = sub_cfg("tls-sub", &[&mid.addr]);
+    sc.tls = Some(ctls.clone());
+    let s = spawn_sub(sc, None);
+    let mut pc = pub_cfg(&root.addr);
+    pc.tls = Some(ctls);
+    let n = 10;
+    net::publish_stream(
+        pc,
+        1,
+        &b"0123456789abcdef"[..],
+        (0..n).map(|i| chunk(i, len_of(i))),
+        Vec::new(),
+        0,
+        Duration::ZERO,
+    )
+    .unwrap();
+    let (r, seen, _) = s.finish();
+    r.unwrap();
+    assert_eq!(seen, expected(n, b"0123456789abcdef", b""));
+    // Plain TCP to a TLS relay goes nowhere.
+    let mut plain = sub_cfg("plain", &[&root.addr]);
+    plain.max_rounds = 1;
+    plain.connect_timeout = Duration::from_secs(5);
+    plain.idle_timeout = Duration::from_secs(2);
+    let (r, seen, _) = spawn_sub(plain, None).finish();
+    assert!(r.is_err());
+    assert_eq!(seen, Seen::default());
+}
