@@ -527,3 +527,57 @@ fn one_subscriber_receives_successive_versions_and_acks_each() {
         }
     });
 }
+
+#[test]
+fn restarted_receiver_resumes_from_saved_cursor() {
+    struct Fail(u32, Vec<u32>);
+    impl dcr_core::net::Receiver for Fail {
+        fn on_header(&mut self, _: u64, _: &[u8]) -> Result<(), String> {
+            Ok(())
+        }
+        fn on_chunk(&mut self, _: u64, s: u32, _: &[u8]) -> Result<(), String> {
+            if s == self.0 {
+                return Err("process crashed".into());
+            }
+            self.1.push(s);
+            Ok(())
+        }
+        fn on_end(&mut self, _: u64, _: u32, _: &[u8]) -> Result<(), String> {
+            Ok(())
+        }
+    }
+    let root = TestRelay::start(relay_cfg("root", &[]));
+    publish_stream(
+        pub_cfg(&root.addr),
+        6,
+        &b"0123456789abcdef"[..],
+        (0..10).map(|i| chunk(i, 500)),
+        Vec::new(),
+        0,
+        Duration::ZERO,
+    )
+    .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut first = dcr_core::net::Subscriber::new(sub_cfg("r", &[&root.addr])).unwrap();
+        let mut app = Fail(4, vec![]);
+        let e = first.receive(&mut app).await.unwrap_err();
+        assert!(matches!(e, Error::Callback { .. }), "{e}");
+        assert_eq!(app.1, vec![0, 1, 2, 3]);
+        // A new process resumes from the saved cursor (or its journal) at 4.
+        let cur = first.cursor().clone();
+        assert_eq!(
+            (cur.version, cur.next_seq),
+            (Some(6), 4),
+            "the cursor counts only what the application took"
+        );
+        let mut second =
+            dcr_core::net::Subscriber::with_cursor(sub_cfg("r", &[&root.addr]), cur).unwrap();
+        let mut app = Fail(u32::MAX, vec![]);
+        second.receive(&mut app).await.unwrap();
+        assert_eq!(app.1, (4..10).collect::<Vec<_>>());
+    });
+}

@@ -124,6 +124,20 @@ impl Subscriber {
         })
     }
 
+    /// A subscriber that resumes from a cursor saved by an earlier process
+    /// (e.g. from the receiver's journal after a crash: the chunks it knows
+    /// it applied), so nothing is applied twice across restarts either.
+    pub fn with_cursor(cfg: SubscribeConfig, cursor: Cursor) -> Result<Self> {
+        let mut s = Self::new(cfg)?;
+        s.cursor = cursor;
+        Ok(s)
+    }
+
+    /// Where the receiver stands (save it to resume after a restart).
+    pub fn cursor(&self) -> &Cursor {
+        &self.cursor
+    }
+
     fn settings(&self) -> ClientSettings {
         ClientSettings {
             key: self.cfg.key.clone(),
@@ -239,7 +253,9 @@ impl Subscriber {
                     // Deliver what was decoded before any error.
                     while let Some(ev) = link.conn.poll_event() {
                         let Event::Stream(m) = ev else { continue };
-                        if !self.cursor.accept(&m)? {
+                        // The cursor advances only once the application took the blob.
+                        let mut next = self.cursor.clone();
+                        if !next.accept(&m)? {
                             continue;
                         }
                         match &m {
@@ -247,10 +263,12 @@ impl Subscriber {
                             Message::Chunk { version, seq, blob } => app.on_chunk(*version, *seq, blob).map_err(|r| Error::Callback { what: format!("chunk {seq}"), reason: r })?,
                             Message::End { version, count, trailer } => {
                                 app.on_end(*version, *count, trailer).map_err(|r| Error::Callback { what: "end".into(), reason: r })?;
+                                self.cursor = next;
                                 return Ok(Delivered { version: *version, count: *count, trailer: trailer.clone(), parent: addr.to_string(), failovers: 0 });
                             }
                             _ => {}
                         }
+                        self.cursor = next;
                     }
                     link.conn.reset_idle(std::time::Instant::now());
                     if let Err(e) = res {
