@@ -65,6 +65,10 @@ struct Cli {
     /// Heartbeat to idle children, milliseconds.
     #[arg(long, default_value_t = 2000)]
     heartbeat_ms: u64,
+    /// Without --spill-dir: how long upstream reading may pause for a child that lags by the
+    /// whole retention window before its chunks are evicted anyway (it then resumes elsewhere).
+    #[arg(long, default_value_t = 30_000)]
+    stall_timeout_ms: u64,
     /// Abandon a silent parent after this many milliseconds.
     #[arg(long, default_value_t = 10_000)]
     idle_timeout_ms: u64,
@@ -133,6 +137,7 @@ fn config(cli: &Cli) -> dcr_core::error::Result<RelayConfig> {
         max_frame: cli.max_frame as usize,
         heartbeat: Duration::from_millis(cli.heartbeat_ms.max(10)),
         idle_timeout: Duration::from_millis(cli.idle_timeout_ms.max(100)),
+        stall_timeout: Duration::from_millis(cli.stall_timeout_ms),
         ..RelayConfig::default()
     })
 }

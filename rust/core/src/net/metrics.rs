@@ -24,6 +24,8 @@ pub struct Metrics {
     pub refusals: AtomicU64,
     /// Upstream connection losses (failovers to the next parent).
     pub upstream_failovers: AtomicU64,
+    /// Times upstream reading paused for lagging children (backpressure).
+    pub upstream_stalls: AtomicU64,
     /// Acks received from below.
     pub acks: AtomicU64,
     /// Chunks spilled to disk.
@@ -82,6 +84,12 @@ impl Metrics {
             "counter",
             "Upstream links lost.",
             self.upstream_failovers.load(Relaxed),
+        );
+        m(
+            "upstream_stalls_total",
+            "counter",
+            "Pauses of upstream reading for lagging children.",
+            self.upstream_stalls.load(Relaxed),
         );
         m(
             "acks_total",

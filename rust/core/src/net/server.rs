@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{broadcast, mpsc, watch, Semaphore};
+use tokio::sync::{broadcast, mpsc, watch, Notify, Semaphore};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
@@ -58,6 +58,10 @@ pub struct RelayConfig {
     pub idle_timeout: Duration,
     /// Handshake deadline for incoming connections.
     pub handshake_timeout: Duration,
+    /// Without a spill directory, how long upstream reading may pause
+    /// (backpressure) for a child that lags by the whole retention window,
+    /// before its chunks are evicted anyway and it is sent elsewhere.
+    pub stall_timeout: Duration,
 }
 
 impl Default for RelayConfig {
@@ -76,6 +80,7 @@ impl Default for RelayConfig {
             heartbeat: Duration::from_secs(2),
             idle_timeout: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(10),
+            stall_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -83,6 +88,8 @@ impl Default for RelayConfig {
 struct Shared {
     hub: Mutex<Hub>,
     changed: watch::Sender<u64>,
+    /// Children made progress (wakes a stalled upstream reader).
+    progress: Notify,
     cfg: RelayConfig,
     metrics: Arc<Metrics>,
 }
@@ -94,6 +101,38 @@ impl Shared {
     fn bump(&self) {
         self.changed.send_modify(|v| *v = v.wrapping_add(1));
     }
+    /// Backpressure: while retention memory is over budget with chunks that
+    /// connected children still need, stop reading upstream until they
+    /// progress; after `stall_timeout`, evict anyway.
+    async fn wait_for_room(&self, sd: &mut broadcast::Receiver<()>) {
+        let deadline = Instant::now() + self.cfg.stall_timeout;
+        let mut stalled = false;
+        loop {
+            let notified = self.progress.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if !self.hub().relieve() {
+                return;
+            }
+            if !stalled {
+                stalled = true;
+                self.metrics.upstream_stalls.fetch_add(1, Relaxed);
+                debug!(node = %self.cfg.node_id, "retention full of chunks children still need; pausing upstream");
+            }
+            tokio::select! {
+                _ = &mut notified => {}
+                _ = tokio::time::sleep_until(deadline) => {
+                    warn!(node = %self.cfg.node_id, stall = ?self.cfg.stall_timeout,
+                        "a child lags by the whole retention window; evicting its chunks (it will resume elsewhere); set --spill-dir to keep them");
+                    self.hub().force_relieve();
+                    self.bump();
+                    return;
+                }
+                _ = sd.recv() => return,
+            }
+        }
+    }
+
     fn refresh_metrics(&self) {
         let h = self.hub();
         self.metrics.max_lag.store(h.max_lag(), Relaxed);
@@ -131,6 +170,7 @@ impl Relay {
             shared: Arc::new(Shared {
                 hub: Mutex::new(hub),
                 changed,
+                progress: Notify::new(),
                 cfg,
                 metrics: Arc::new(Metrics::default()),
             }),
@@ -294,6 +334,7 @@ async fn serve_connection(
             shared.metrics.children.fetch_add(1, Relaxed);
             let r = serve_child(&shared, id, rd, wr, conn, &peer, &mut sd).await;
             shared.hub().remove_child(id);
+            shared.progress.notify_waiters();
             shared.metrics.children.fetch_sub(1, Relaxed);
             r
         }
@@ -330,6 +371,7 @@ async fn serve_publisher(
                 .await
                 .map_err(|e| Error::io("sending acks to the publisher", e))?;
         }
+        shared.wait_for_room(sd).await;
         tokio::select! {
             n = read_some(&mut rd, conn.input_buf()) => {
                 let n = n.map_err(|e| Error::io("reading from the publisher", e))?;
@@ -416,6 +458,7 @@ async fn serve_child(
                 .await
                 .map_err(|e| Error::io(format!("flushing to {peer}"), e))?;
             last_tx = Instant::now();
+            shared.progress.notify_waiters();
         }
         tokio::select! {
             n = read_some(&mut rd, conn.input_buf()) => {
@@ -479,10 +522,11 @@ async fn upstream_loop(shared: Arc<Shared>, mut sd: broadcast::Receiver<()>) {
     let mut i = 0usize;
     let mut failures = 0u32;
     let mut unavailable = 0usize;
+    let mut sd2 = sd.resubscribe();
     loop {
         let addr = &parents[i % parents.len()];
         let r = tokio::select! {
-            r = upstream_once(&shared, addr) => r,
+            r = upstream_once(&shared, addr, &mut sd2) => r,
             _ = sd.recv() => return,
         };
         let e = match r {
@@ -522,7 +566,11 @@ async fn upstream_loop(shared: Arc<Shared>, mut sd: broadcast::Receiver<()>) {
     }
 }
 
-async fn upstream_once(shared: &Shared, addr: &str) -> Result<()> {
+async fn upstream_once(
+    shared: &Shared,
+    addr: &str,
+    sd: &mut broadcast::Receiver<()>,
+) -> Result<()> {
     let cfg = &shared.cfg;
     let io = connect(addr, cfg.parent_tls.as_ref(), DEFAULT_CONNECT_TIMEOUT).await?;
     let (mut rd, mut wr) = tokio::io::split(io);
@@ -571,6 +619,9 @@ async fn upstream_once(shared: &Shared, addr: &str) -> Result<()> {
                 .await
                 .map_err(|e| Error::io(format!("writing to parent {addr}"), e))?;
         }
+        shared.wait_for_room(sd).await;
+        // Time spent paused is not the parent's silence.
+        conn.reset_idle(std::time::Instant::now());
         let deadline = conn
             .poll_timeout()
             .map(Instant::from_std)

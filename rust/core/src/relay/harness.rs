@@ -290,6 +290,8 @@ impl World {
                     }
                 }
             }
+            // Backpressure: no clock here, so nothing is ever force-evicted.
+            r.hub.relieve();
             // Children pull from the hub; publishers get their acks.
             for link in &mut r.links {
                 if let (Some(id), false) = (link.child, link.closed) {
@@ -763,4 +765,40 @@ fn abandoned_partial_version_sends_children_elsewhere() {
         "{:?}",
         w.subs[s].error
     );
+}
+
+#[test]
+fn without_spill_lagging_child_holds_chunks_and_signals_backpressure() {
+    let mut w = World::new(4096);
+    let root = w.relay(1000, false);
+    let fast = w.add_sub(root, key());
+    let slow = w.add_sub(root, key());
+    w.publisher(root);
+    w.settle();
+    let sl = w.subs[slow].at.1;
+    w.relays[root].links[sl].budget = 2; // header + chunk 0, then stuck
+    w.settle();
+    w.relays[root].links[sl].budget = 0;
+    let data = chunks(20);
+    let p = &mut w.publ.as_mut().unwrap().0;
+    p.send_header(1, Bytes::from_static(b"h")).unwrap();
+    for d in &data {
+        p.send_chunk(d.clone()).unwrap();
+    }
+    p.send_end(Bytes::new()).unwrap();
+    w.settle();
+    check_stream(&w.subs[fast].got, 1, &data, b"");
+    // Memory is over budget, but nothing the slow child needs was evicted:
+    // the hub asks the driver to stop reading upstream.
+    assert!(w.relays[root].hub.relieve(), "backpressure requested");
+    assert!(w.relays[root].hub.store().mem_bytes() > 1000);
+    assert_eq!(w.relays[root].hub.store().evicted_chunks, 0);
+    w.relays[root].links[sl].budget = usize::MAX;
+    w.settle();
+    check_stream(&w.subs[slow].got, 1, &data, b"");
+    assert!(
+        !w.relays[root].hub.relieve(),
+        "room again once the slow child caught up"
+    );
+    assert!(w.relays[root].hub.store().mem_bytes() <= 1000 + 400);
 }

@@ -233,6 +233,37 @@ impl Hub {
         }
     }
 
+    /// Oldest `(version, seq)` some subscribed child still has to be sent.
+    fn oldest_needed(&self) -> Option<(u64, u32)> {
+        self.children
+            .values()
+            .filter(|c| c.subscribed && c.next_seq != u32::MAX)
+            .filter_map(|c| match c.version {
+                Some(v) => Some((v, if c.header_sent { c.next_seq } else { 0 })),
+                None => self.store.first_from(c.from_version).map(|v| (v, 0)),
+            })
+            .min()
+    }
+
+    /// Bring retention memory under budget without dropping anything a
+    /// connected child still needs (spilling loses nothing, so with a spill
+    /// this always succeeds). Returns `true` while memory stays over budget:
+    /// the caller then stops reading upstream (backpressure) until children
+    /// progress, or gives up on them with [`Hub::force_relieve`].
+    pub fn relieve(&mut self) -> bool {
+        if !self.store.over_budget() {
+            return false;
+        }
+        let min = self.oldest_needed();
+        self.store.evict(&|v, s| min.is_some_and(|m| (v, s) >= m))
+    }
+
+    /// Evict down to the budget even if lagging children needed those
+    /// chunks (they get "resume unavailable" and move to another parent).
+    pub fn force_relieve(&mut self) {
+        self.store.evict(&|_, _| false);
+    }
+
     /// How many chunks a child is behind the newest chunk of its version.
     pub fn lag(&self, id: ChildId) -> Option<u64> {
         let c = self.children.get(&id)?;

@@ -256,7 +256,10 @@ impl Store {
         s.slots.push(Slot::Mem(blob));
         self.mem_bytes += n;
         self.mem_order.push_back((version, seq));
-        self.enforce_budget();
+        if self.spill.is_some() {
+            // Spilling loses nothing: do it right away.
+            self.enforce_budget(&|_, _| false);
+        }
         Ok(())
     }
 
@@ -290,10 +293,32 @@ impl Store {
         }
     }
 
-    fn enforce_budget(&mut self) {
+    /// Whether chunks beyond the budget go to a spill (else they are evicted).
+    pub fn has_spill(&self) -> bool {
+        self.spill.is_some()
+    }
+
+    /// Whether chunks in memory exceed the retention budget.
+    pub fn over_budget(&self) -> bool {
+        self.mem_bytes > self.cfg.retention_bytes
+    }
+
+    /// Bring memory back under the budget: spill the oldest chunks, or
+    /// without a spill evict them, stopping at the first chunk for which
+    /// `needed(version, seq)` holds (chunks are visited oldest first).
+    /// Returns whether memory is still over budget.
+    pub fn evict(&mut self, needed: &dyn Fn(u64, u32) -> bool) -> bool {
+        self.enforce_budget(needed)
+    }
+
+    fn enforce_budget(&mut self, needed: &dyn Fn(u64, u32) -> bool) -> bool {
         // Never push out the newest chunk: children being served cut-through need it.
         while self.mem_bytes > self.cfg.retention_bytes && self.mem_order.len() > 1 {
-            let (v, seq) = self.mem_order.pop_front().expect("len > 1");
+            let (v, seq) = *self.mem_order.front().expect("len > 1");
+            if self.spill.is_none() && needed(v, seq) {
+                return true;
+            }
+            self.mem_order.pop_front();
             let Some(s) = self.versions.get_mut(&v) else {
                 continue;
             };
@@ -318,6 +343,7 @@ impl Store {
             *slot = new;
             self.mem_bytes -= n;
         }
+        self.over_budget()
     }
 
     /// Look a chunk up.
@@ -392,8 +418,17 @@ mod tests {
         s.put_header(1, Bytes::new()).unwrap();
         s.put_chunk(1, 0, blob(100, 0)).unwrap();
         s.put_chunk(1, 1, blob(100, 1)).unwrap();
+        s.put_chunk(1, 2, blob(100, 2)).unwrap();
+        // Nothing is evicted at insertion; chunks still needed stay.
+        assert!(s.evict(&|_, seq| seq >= 1));
         assert!(matches!(s.get_chunk(1, 0), Get::Gone(_)));
         assert!(matches!(s.get_chunk(1, 1), Get::Ready(_)));
+        assert!(
+            s.evict(&|_, _| false),
+            "the newest chunk alone is over budget"
+        );
+        assert!(matches!(s.get_chunk(1, 1), Get::Gone(_)));
+        assert!(matches!(s.get_chunk(1, 2), Get::Ready(_)));
     }
 
     #[test]
