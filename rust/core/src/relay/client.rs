@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 
 use super::auth::{ClientHandshake, PreSharedKey, Step};
-use super::wire::{code, Ack, Framer, Message, Resume, Role, NONCE_LEN};
+use super::wire::{code, Ack, Framer, Message, Resume, Role, NONCE_LEN, PRE_AUTH_MAX_FRAME};
 use crate::error::{Error, Result};
 
 /// Where a receiver stands; survives reconnections so that a failover resumes
@@ -192,6 +192,7 @@ pub struct ClientConn {
     idle_timeout: Option<Duration>,
     last_rx: Instant,
     pending_after_auth: Vec<Message>,
+    max_frame: usize,
 }
 
 /// Settings of a client connection.
@@ -219,7 +220,7 @@ impl ClientConn {
         let mut out = BytesMut::new();
         hs.start().encode(&mut out);
         ClientConn {
-            framer: Framer::new(s.max_frame),
+            framer: Framer::new(PRE_AUTH_MAX_FRAME.min(s.max_frame)),
             hs,
             authed: false,
             out,
@@ -228,6 +229,7 @@ impl ClientConn {
             idle_timeout: s.idle_timeout,
             last_rx: now,
             pending_after_auth: vec![],
+            max_frame: s.max_frame,
         }
     }
 
@@ -312,6 +314,7 @@ impl ClientConn {
                         r.encode(&mut self.out);
                     }
                     self.authed = true;
+                    self.framer.set_max_frame(self.max_frame);
                     self.events.push_back(Event::Authenticated);
                     for p in std::mem::take(&mut self.pending_after_auth) {
                         p.encode(&mut self.out);

@@ -802,3 +802,11 @@ fn without_spill_lagging_child_holds_chunks_and_signals_backpressure() {
     );
     assert!(w.relays[root].hub.store().mem_bytes() <= 1000 + 400);
 }
+
+#[test]
+fn unauthenticated_peer_cannot_announce_a_large_frame() {
+    let mut s = ServerConn::new(key(), 64 << 20, [1; 32]);
+    // A 1 MiB frame announced before the handshake is refused outright.
+    let e = s.handle_input(&(1u32 << 20).to_le_bytes()).unwrap_err();
+    assert!(matches!(e, Error::FrameTooLarge { max: 16384, .. }), "{e}");
+}

@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 use bytes::{Bytes, BytesMut};
 
 use super::auth::{refusal, Peer, PreSharedKey, ServerHandshake, Step};
-use super::wire::{Framer, Message, NONCE_LEN};
+use super::wire::{Framer, Message, NONCE_LEN, PRE_AUTH_MAX_FRAME};
 use crate::error::Result;
 
 /// What a server connection reports.
@@ -26,17 +26,19 @@ pub struct ServerConn {
     authed: bool,
     out: BytesMut,
     events: VecDeque<ServerEvent>,
+    max_frame: usize,
 }
 
 impl ServerConn {
     /// A connection expecting a `Hello`.
     pub fn new(key: Option<PreSharedKey>, max_frame: usize, nonce: [u8; NONCE_LEN]) -> Self {
         ServerConn {
-            framer: Framer::new(max_frame),
+            framer: Framer::new(PRE_AUTH_MAX_FRAME.min(max_frame)),
             hs: ServerHandshake::new(key, nonce),
             authed: false,
             out: BytesMut::new(),
             events: VecDeque::new(),
+            max_frame,
         }
     }
 
@@ -71,6 +73,7 @@ impl ServerConn {
                         r.encode(&mut self.out);
                     }
                     self.authed = true;
+                    self.framer.set_max_frame(self.max_frame);
                     let peer = self.hs.peer().cloned().expect("done implies a peer");
                     self.events.push_back(ServerEvent::Authenticated(peer));
                 }

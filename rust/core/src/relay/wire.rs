@@ -17,6 +17,9 @@ pub const PROTO_VERSION: u16 = 1;
 pub const FRAME_OVERHEAD: usize = 8;
 /// Default maximum frame length (kind + body): large enough for 16 MiB dense chunks.
 pub const DEFAULT_MAX_FRAME: usize = 32 << 20;
+/// Largest frame accepted before the peer is authenticated (handshake
+/// messages are small; an unauthenticated peer cannot make us buffer more).
+pub const PRE_AUTH_MAX_FRAME: usize = 16 * 1024;
 /// Length of a handshake nonce.
 pub const NONCE_LEN: usize = 32;
 /// Length of an HMAC-SHA256 proof.
@@ -591,6 +594,10 @@ impl Framer {
             buf: BytesMut::with_capacity(8 * 1024),
             max_frame,
         }
+    }
+    /// Change the largest frame accepted (raised once the peer is authenticated).
+    pub fn set_max_frame(&mut self, max_frame: usize) {
+        self.max_frame = max_frame;
     }
     /// Append received bytes.
     pub fn push(&mut self, data: &[u8]) {
