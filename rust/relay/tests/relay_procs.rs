@@ -629,3 +629,42 @@ fn mutual_tls_tree_of_processes() {
     assert!(r.is_err());
     assert_eq!(seen, Seen::default());
 }
+
+#[test]
+fn sigterm_shuts_a_relay_down_gracefully_and_children_move_on() {
+    let (dir, key_file) = setup();
+    let root = Relay::start(dir.path(), "root", &key_file, &[], &[]);
+    let mut mid = Relay::start(dir.path(), "mid", &key_file, &[&root.addr], &[]);
+    let s = spawn_sub(sub_cfg("s", &[&mid.addr, &root.addr]), None);
+    let header = b"0123456789abcdef".to_vec();
+    let mut p = BlockingPublisher::connect(pub_cfg(&root.addr), 1, header.clone()).unwrap();
+    for i in 0..10 {
+        p.send(chunk(i, len_of(i))).unwrap();
+    }
+    s.wait_chunk(9);
+    let st = Command::new("kill")
+        .args(["-TERM", &mid.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    // Wait for the exit on a helper thread, bounded by a channel timeout.
+    let mut child = std::mem::replace(&mut mid.child, Command::new("true").spawn().unwrap());
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let _ = tx.send(child.wait());
+    });
+    let status = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("relay exits after SIGTERM")
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+    assert!(mid.log().contains("relay shutting down"), "{}", mid.log());
+    for i in 10..20 {
+        p.send(chunk(i, len_of(i))).unwrap();
+    }
+    p.finish(Vec::new()).unwrap();
+    let (r, seen, _) = s.finish();
+    let d = r.unwrap();
+    assert_eq!(seen, expected(20, &header, b""));
+    assert_eq!(d.parent, root.addr);
+}
