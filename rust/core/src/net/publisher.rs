@@ -98,7 +98,12 @@ pub struct Publisher {
 
 impl Publisher {
     /// Connect, authenticate and send the stream header.
-    pub async fn connect(cfg: PublishConfig, version: u64, header: Bytes) -> Result<Self> {
+    pub async fn connect(
+        cfg: PublishConfig,
+        version: u64,
+        header: impl Into<Bytes>,
+    ) -> Result<Self> {
+        let header = header.into();
         let addr = cfg.addr.clone();
         let io = connect(&addr, cfg.tls.as_ref(), cfg.connect_timeout).await?;
         let (mut rd, mut wr) = tokio::io::split(io);
@@ -327,7 +332,7 @@ impl BlockingPublisher {
             .enable_all()
             .build()
             .map_err(|e| Error::io("starting the publisher runtime", e))?;
-        let p = rt.block_on(Publisher::connect(cfg, version, header.into()))?;
+        let p = rt.block_on(Publisher::connect(cfg, version, header))?;
         Ok(BlockingPublisher { rt, inner: Some(p) })
     }
 

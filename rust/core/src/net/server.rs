@@ -249,6 +249,14 @@ pub async fn run(listener: TcpListener, config: RelayConfig, shutdown: impl Futu
     Relay::new(config)?.run(listener, shutdown).await
 }
 
+/// The reason sent to a child: the receiving side wraps it in its own error.
+fn wire_reason(e: &Error) -> String {
+    match e {
+        Error::ResumeUnavailable { reason, .. } => reason.clone(),
+        other => other.to_string(),
+    }
+}
+
 type Rd = ReadHalf<BoxIo>;
 type Wr = WriteHalf<BoxIo>;
 
@@ -444,7 +452,7 @@ async fn serve_child(
                         &mut wr,
                         &Message::Error {
                             code: code::RESUME_UNAVAILABLE,
-                            reason: e.to_string(),
+                            reason: wire_reason(&e),
                         },
                     )
                     .await;
@@ -473,7 +481,7 @@ async fn serve_child(
                             let r = shared.hub().subscribe(id, from_version, follow, resume);
                             if let Err(e) = r {
                                 warn!(node = %shared.cfg.node_id, %peer, error = %e, "subscribe refused");
-                                let _ = write_msg(&mut wr, &Message::Error { code: code::RESUME_UNAVAILABLE, reason: e.to_string() }).await;
+                                let _ = write_msg(&mut wr, &Message::Error { code: code::RESUME_UNAVAILABLE, reason: wire_reason(&e) }).await;
                                 let _ = wr.shutdown().await;
                                 return Err(e);
                             }

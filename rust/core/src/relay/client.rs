@@ -342,8 +342,8 @@ impl ClientConn {
             Message::Heartbeat => Ok(()),
             Message::Error { code: c, reason } => Err(match c {
                 code::RESUME_UNAVAILABLE => Error::ResumeUnavailable {
-                    version: 0,
-                    seq: 0,
+                    version: self.cursor().and_then(|c| c.version).unwrap_or(0),
+                    seq: self.cursor().map_or(0, |c| c.next_seq),
                     reason,
                 },
                 code::AUTH_REFUSED => Error::AuthRefused {
