@@ -581,3 +581,73 @@ fn restarted_receiver_resumes_from_saved_cursor() {
         assert_eq!(app.1, (4..10).collect::<Vec<_>>());
     });
 }
+
+#[test]
+fn child_that_stops_reading_is_dropped_and_releases_backpressure() {
+    use dcr_core::relay::{ClientConn, ClientSettings, Cursor, Role};
+    use std::io::{Read, Write};
+    let mut cfg = relay_cfg("root", &[]);
+    cfg.store.retention_bytes = 2 << 20; // no spill: a stuck child would pin the window
+    cfg.stall_timeout = Duration::from_secs(120); // longer than the test may take
+    cfg.write_timeout = Duration::from_millis(300);
+    let root = TestRelay::start(cfg);
+    // A child that authenticates and subscribes with the sans-IO machine over a
+    // plain socket, then never reads again.
+    let mut sock = std::net::TcpStream::connect(&root.addr).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let settings = ClientSettings {
+        key: key(),
+        node_id: "stuck".into(),
+        max_frame: 1 << 20,
+        idle_timeout: None,
+    };
+    let mut conn = ClientConn::receiver(
+        &settings,
+        Role::Subscriber,
+        Cursor::once(0),
+        [7; 32],
+        std::time::Instant::now(),
+    );
+    let mut buf = [0u8; 4096];
+    while !conn.is_authenticated() {
+        while let Some(b) = conn.poll_transmit() {
+            sock.write_all(&b).unwrap();
+        }
+        let n = sock.read(&mut buf).unwrap();
+        assert!(n > 0);
+        conn.handle_input(&buf[..n], std::time::Instant::now())
+            .unwrap();
+    }
+    while let Some(b) = conn.poll_transmit() {
+        sock.write_all(&b).unwrap(); // the Subscribe
+    }
+    let good = spawn_sub(sub_cfg("good", &[&root.addr]), None);
+    let n = 40u32; // 40 MiB: far more than the socket buffers and the window
+    let big = |i: u32| chunk(i, 1 << 20);
+    let raddr = root.addr.clone();
+    let publisher = std::thread::spawn(move || {
+        publish_stream(
+            pub_cfg(&raddr),
+            1,
+            &b"0123456789abcdef"[..],
+            (0..n).map(big),
+            Vec::new(),
+            0,
+            Duration::ZERO,
+        )
+    });
+    let (r, seen, _) = good.finish();
+    r.unwrap();
+    assert_eq!(seen.chunks.len(), n as usize);
+    publisher.join().unwrap().unwrap();
+    root.relay.refresh_metrics();
+    assert!(
+        root.metrics
+            .upstream_stalls
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1,
+        "the stuck child did hold the window"
+    );
+    drop(sock);
+}

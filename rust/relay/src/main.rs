@@ -69,6 +69,10 @@ struct Cli {
     /// whole retention window before its chunks are evicted anyway (it then resumes elsewhere).
     #[arg(long, default_value_t = 30_000)]
     stall_timeout_ms: u64,
+    /// Drop a child that does not take a whole message within this many milliseconds
+    /// (plus 1 µs per byte of the message).
+    #[arg(long, default_value_t = 60_000)]
+    write_timeout_ms: u64,
     /// Abandon a silent parent after this many milliseconds.
     #[arg(long, default_value_t = 10_000)]
     idle_timeout_ms: u64,
@@ -138,6 +142,7 @@ fn config(cli: &Cli) -> dcr_core::error::Result<RelayConfig> {
         heartbeat: Duration::from_millis(cli.heartbeat_ms.max(10)),
         idle_timeout: Duration::from_millis(cli.idle_timeout_ms.max(100)),
         stall_timeout: Duration::from_millis(cli.stall_timeout_ms),
+        write_timeout: Duration::from_millis(cli.write_timeout_ms.max(100)),
         ..RelayConfig::default()
     })
 }

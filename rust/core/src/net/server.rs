@@ -62,6 +62,9 @@ pub struct RelayConfig {
     /// (backpressure) for a child that lags by the whole retention window,
     /// before its chunks are evicted anyway and it is sent elsewhere.
     pub stall_timeout: Duration,
+    /// A child that does not take one whole message within this long (plus
+    /// 1 µs per byte) is dropped.
+    pub write_timeout: Duration,
 }
 
 impl Default for RelayConfig {
@@ -81,6 +84,7 @@ impl Default for RelayConfig {
             idle_timeout: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(10),
             stall_timeout: Duration::from_secs(30),
+            write_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -439,9 +443,23 @@ async fn serve_child(
                             tokio::time::sleep(wait).await;
                         }
                     }
-                    write_msg(&mut wr, &m)
-                        .await
-                        .map_err(|e| Error::io(format!("sending {} to {peer}", m.name()), e))?;
+                    // A child that takes no whole message for this long is gone:
+                    // free its cursor (and the retention it pins).
+                    let limit = shared.cfg.write_timeout + Duration::from_micros(len);
+                    match tokio::time::timeout(limit, write_msg(&mut wr, &m)).await {
+                        Ok(r) => {
+                            r.map_err(|e| Error::io(format!("sending {} to {peer}", m.name()), e))?
+                        }
+                        Err(_) => {
+                            return Err(Error::Timeout {
+                                after_ms: limit.as_millis() as u64,
+                                during: format!(
+                                    "sending {} to child {peer} (it accepts no data)",
+                                    m.name()
+                                ),
+                            })
+                        }
+                    };
                     shared.metrics.bytes_out.fetch_add(len, Relaxed);
                     sent_any = true;
                 }
