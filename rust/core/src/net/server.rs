@@ -369,6 +369,29 @@ async fn serve_publisher(
     let mut ack_idx = 0usize;
     let mut rx = shared.changed.subscribe();
     loop {
+        // Messages decoded so far (also any that came with the handshake).
+        while let Some(ServerEvent::Message(m)) = conn.poll_event() {
+            let len = m.payload_len() as u64;
+            if let Message::Header { version: v, .. } = &m {
+                version = Some(*v);
+                ack_idx = 0;
+                info!(node = %shared.cfg.node_id, %peer, version = v, "publisher started a version");
+            }
+            let r = shared.hub().on_upstream(m);
+            if let Err(e) = r {
+                let _ = write_msg(
+                    &mut wr,
+                    &Message::Error {
+                        code: code::PROTOCOL,
+                        reason: e.to_string(),
+                    },
+                )
+                .await;
+                return Err(e);
+            }
+            shared.metrics.bytes_in.fetch_add(len, Relaxed);
+            shared.bump();
+        }
         // Forward the acks of our version to the publisher.
         rx.borrow_and_update();
         if let Some(v) = version {
@@ -391,21 +414,6 @@ async fn serve_publisher(
                     return Ok(());
                 }
                 conn.process()?;
-                while let Some(ServerEvent::Message(m)) = conn.poll_event() {
-                    let len = m.payload_len() as u64;
-                    if let Message::Header { version: v, .. } = &m {
-                        version = Some(*v);
-                        ack_idx = 0;
-                        info!(node = %shared.cfg.node_id, %peer, version = v, "publisher started a version");
-                    }
-                    let r = shared.hub().on_upstream(m);
-                    if let Err(e) = r {
-                        let _ = write_msg(&mut wr, &Message::Error { code: code::PROTOCOL, reason: e.to_string() }).await;
-                        return Err(e);
-                    }
-                    shared.metrics.bytes_in.fetch_add(len, Relaxed);
-                    shared.bump();
-                }
             }
             _ = rx.changed() => {}
             _ = sd.recv() => return Ok(()),
@@ -429,6 +437,64 @@ async fn serve_child(
         .map(|r| TokenBucket::new(r, r.clamp(64 * 1024, 1 << 20), std::time::Instant::now()));
     let mut last_tx = Instant::now();
     loop {
+        // Messages decoded so far (also any that came with the handshake).
+        while let Some(ServerEvent::Message(m)) = conn.poll_event() {
+            match m {
+                Message::Subscribe {
+                    from_version,
+                    follow,
+                    resume,
+                } => {
+                    let r = shared.hub().subscribe(id, from_version, follow, resume);
+                    if let Err(e) = r {
+                        warn!(node = %shared.cfg.node_id, %peer, error = %e, "subscribe refused");
+                        let _ = write_msg(
+                            &mut wr,
+                            &Message::Error {
+                                code: code::RESUME_UNAVAILABLE,
+                                reason: wire_reason(&e),
+                            },
+                        )
+                        .await;
+                        let _ = wr.shutdown().await;
+                        return Err(e);
+                    }
+                    if let Some(r) = resume {
+                        info!(node = %shared.cfg.node_id, %peer, version = r.version, seq = r.next_seq, "child resumes");
+                    }
+                }
+                Message::Ack(a) => {
+                    let reply = Message::AckReceived {
+                        version: a.version,
+                        node_id: a.node_id.clone(),
+                    };
+                    info!(node = %shared.cfg.node_id, version = a.version, from = %a.node_id, ok = a.ok, reason = %a.reason, "ack");
+                    if shared.hub().on_ack(a) {
+                        shared.metrics.acks.fetch_add(1, Relaxed);
+                        shared.bump();
+                    }
+                    write_msg(&mut wr, &reply)
+                        .await
+                        .map_err(|e| Error::io("confirming an ack", e))?;
+                    wr.flush()
+                        .await
+                        .map_err(|e| Error::io("confirming an ack", e))?;
+                }
+                Message::Heartbeat => {}
+                other => {
+                    let e = Error::protocol("Subscribe or Ack from a child", other.name());
+                    let _ = write_msg(
+                        &mut wr,
+                        &Message::Error {
+                            code: code::PROTOCOL,
+                            reason: e.to_string(),
+                        },
+                    )
+                    .await;
+                    return Err(e);
+                }
+            }
+        }
         rx.borrow_and_update();
         // Send everything available (the cursor advances as we go).
         let mut sent_any = false;
@@ -493,38 +559,6 @@ async fn serve_child(
                     return Ok(());
                 }
                 conn.process()?;
-                while let Some(ServerEvent::Message(m)) = conn.poll_event() {
-                    match m {
-                        Message::Subscribe { from_version, follow, resume } => {
-                            let r = shared.hub().subscribe(id, from_version, follow, resume);
-                            if let Err(e) = r {
-                                warn!(node = %shared.cfg.node_id, %peer, error = %e, "subscribe refused");
-                                let _ = write_msg(&mut wr, &Message::Error { code: code::RESUME_UNAVAILABLE, reason: wire_reason(&e) }).await;
-                                let _ = wr.shutdown().await;
-                                return Err(e);
-                            }
-                            if let Some(r) = resume {
-                                info!(node = %shared.cfg.node_id, %peer, version = r.version, seq = r.next_seq, "child resumes");
-                            }
-                        }
-                        Message::Ack(a) => {
-                            let reply = Message::AckReceived { version: a.version, node_id: a.node_id.clone() };
-                            info!(node = %shared.cfg.node_id, version = a.version, from = %a.node_id, ok = a.ok, reason = %a.reason, "ack");
-                            if shared.hub().on_ack(a) {
-                                shared.metrics.acks.fetch_add(1, Relaxed);
-                                shared.bump();
-                            }
-                            write_msg(&mut wr, &reply).await.map_err(|e| Error::io("confirming an ack", e))?;
-                            wr.flush().await.map_err(|e| Error::io("confirming an ack", e))?;
-                        }
-                        Message::Heartbeat => {}
-                        other => {
-                            let e = Error::protocol("Subscribe or Ack from a child", other.name());
-                            let _ = write_msg(&mut wr, &Message::Error { code: code::PROTOCOL, reason: e.to_string() }).await;
-                            return Err(e);
-                        }
-                    }
-                }
             }
             _ = rx.changed() => {}
             _ = tokio::time::sleep_until(last_tx + shared.cfg.heartbeat) => {
