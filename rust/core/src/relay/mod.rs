@@ -4,10 +4,10 @@
 //!
 //! * [`wire`]: framing (length, kind, body, CRC32C) and messages.
 //! * [`auth`]: HMAC-SHA256 challenge–response over a pre-shared key.
-//! * [`client`]: [`ClientConn`](client::ClientConn) for publishers and receivers, and the
-//!   failover-proof receive [`Cursor`](client::Cursor).
-//! * [`server`]: [`ServerConn`](server::ServerConn), a relay's view of one connection.
-//! * [`hub`]: [`Hub`](hub::Hub), a relay's shared state (retained streams, child cursors, acks).
+//! * [`client`]: [`ClientConn`] for publishers and receivers, and the
+//!   failover-proof receive [`Cursor`].
+//! * [`server`]: [`ServerConn`], a relay's view of one connection.
+//! * [`hub`]: [`Hub`], a relay's shared state (retained streams, child cursors, acks).
 //! * [`store`]: retention window with spill.
 //! * [`bucket`]: token bucket for rate limits.
 
