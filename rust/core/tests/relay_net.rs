@@ -651,3 +651,69 @@ fn child_that_stops_reading_is_dropped_and_releases_backpressure() {
     );
     drop(sock);
 }
+
+#[test]
+fn publisher_survives_a_lost_root_by_replaying_to_a_standby() {
+    let mut r0 = TestRelay::start(relay_cfg("root0", &[]));
+    let r1 = TestRelay::start(relay_cfg("root1", &[]));
+    let mid = TestRelay::start(relay_cfg("mid", &[&r0.addr, &r1.addr]));
+    let subs: Vec<_> = (0..3)
+        .map(|i| spawn_sub(sub_cfg(&format!("s{i}"), &[&mid.addr]), None))
+        .collect();
+    let n = 30u32;
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let gate = Arc::new(Mutex::new(Some(go_rx)));
+    let mut cfg = pub_cfg(&r0.addr);
+    cfg.standby = vec![r1.addr.clone()];
+    let publisher = std::thread::spawn(move || {
+        dcr_core::net::publish_stream_retry(
+            cfg,
+            4,
+            &b"0123456789abcdef"[..],
+            move || {
+                // The first attempt is held between chunks 9 and 10 until its root is gone.
+                let g = gate.lock().unwrap().take();
+                (0..n).map(move |i| {
+                    if let (10, Some(g)) = (i, &g) {
+                        g.recv_timeout(Duration::from_secs(60)).expect("released");
+                    }
+                    chunk(i, chunk_len(i))
+                })
+            },
+            Vec::new(),
+            3,
+            Duration::from_secs(30),
+            3,
+        )
+    });
+    for s in &subs {
+        s.wait_chunk(9);
+    }
+    r0.stop();
+    go_tx.send(()).unwrap();
+    let want = expected(n, b"0123456789abcdef", b"");
+    for (i, s) in subs.into_iter().enumerate() {
+        let (r, seen, sub) = s.finish();
+        r.unwrap();
+        assert_eq!(
+            seen, want,
+            "sub {i}: every chunk once, in order, across the root change"
+        );
+        sub.unwrap()
+            .ack([i as u8; 16], true, "", Duration::from_secs(10))
+            .unwrap();
+    }
+    let rep = publisher.join().unwrap().unwrap();
+    assert_eq!(rep.chunks, n);
+    assert!(rep.acks.all_committed(), "{:?}", rep.acks);
+    use std::sync::atomic::Ordering::Relaxed;
+    let total: u64 = (0..n).map(|i| chunk_len(i) as u64).sum();
+    assert!(
+        r1.metrics.bytes_in.load(Relaxed) >= total,
+        "the standby root got the whole replay"
+    );
+    assert!(
+        mid.metrics.upstream_failovers.load(Relaxed) >= 1,
+        "mid moved to the standby root"
+    );
+}

@@ -21,7 +21,8 @@ mod tls;
 
 pub use metrics::{serve_metrics, Metrics};
 pub use publisher::{
-    publish_stream, AckSummary, BlockingPublisher, PublishConfig, PublishReport, Publisher,
+    publish_stream, publish_stream_retry, AckSummary, BlockingPublisher, PublishConfig,
+    PublishReport, Publisher,
 };
 pub use server::{run, Relay, RelayConfig};
 pub use spill::FileSpill;

@@ -35,6 +35,9 @@ pub struct PublishConfig {
     pub queue_depth: usize,
     /// Connect and handshake deadline.
     pub connect_timeout: Duration,
+    /// Standby roots, tried in order by [`publish_stream_retry`] when the
+    /// connection to `addr` is lost.
+    pub standby: Vec<String>,
 }
 
 impl PublishConfig {
@@ -48,6 +51,7 @@ impl PublishConfig {
             max_frame: DEFAULT_MAX_FRAME,
             queue_depth: 8,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            standby: vec![],
         }
     }
 }
@@ -405,5 +409,70 @@ where
         chunks,
         bytes,
         acks,
+    })
+}
+
+/// Whether a publish failure is about the connection (worth a retry) rather
+/// than about what was published.
+fn connection_lost(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Io { .. } | Error::PeerClosed { .. } | Error::Timeout { .. } | Error::Tls(_)
+    ) || matches!(e, Error::Remote { code, .. } if *code == crate::relay::wire::code::SHUTTING_DOWN)
+}
+
+/// [`publish_stream`] that survives a lost root: on a connection failure it
+/// sends the whole stream again, to `cfg.addr` then each of `cfg.standby`
+/// in turn, up to `attempts` times. `make_frames` must yield the same frames
+/// each time (a deterministic encoder, or frames read back from the delta
+/// file). Relays accept an identical replay and skip what they hold, and
+/// receivers resume by sequence number, so nothing is applied twice.
+#[allow(clippy::too_many_arguments)]
+pub fn publish_stream_retry<F, I>(
+    cfg: PublishConfig,
+    version: u64,
+    header: impl Into<Bytes>,
+    mut make_frames: F,
+    trailer: impl Into<Bytes>,
+    expect_acks: usize,
+    ack_timeout: Duration,
+    attempts: usize,
+) -> Result<PublishReport>
+where
+    F: FnMut() -> I,
+    I: IntoIterator,
+    I::Item: Into<Bytes>,
+{
+    let (header, trailer) = (header.into(), trailer.into());
+    let roots: Vec<String> = std::iter::once(cfg.addr.clone())
+        .chain(cfg.standby.iter().cloned())
+        .collect();
+    let mut last = None;
+    for attempt in 0..attempts.max(1) {
+        let addr = roots[attempt % roots.len()].clone();
+        let c = PublishConfig {
+            addr: addr.clone(),
+            ..cfg.clone()
+        };
+        match publish_stream(
+            c,
+            version,
+            header.clone(),
+            make_frames(),
+            trailer.clone(),
+            expect_acks,
+            ack_timeout,
+        ) {
+            Ok(r) => return Ok(r),
+            Err(e) if connection_lost(&e) => {
+                tracing::warn!(root = %addr, error = %e, attempt, "publish lost its root; sending the stream again");
+                last = Some(e);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(Error::AllParentsFailed {
+        tried: attempts.max(1),
+        last: Box::new(last.expect("one attempt")),
     })
 }
