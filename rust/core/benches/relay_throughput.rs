@@ -1,5 +1,5 @@
 //! Relay throughput on loopback: publisher → root → mid relay → N subscribers,
-//! in-process. Prints a table and writes `bench-out/relay_throughput.json`.
+//! in-process. Prints a table and writes `bench-out/relay_throughput.json` at the workspace root.
 //! Run: `cargo bench -j1 -p dcr-core --bench relay_throughput [-- TOTAL_MIB]`.
 
 use std::time::{Duration, Instant};
@@ -111,9 +111,11 @@ fn main() {
         .iter()
         .map(|(c, s, n, t, r)| format!("{{\"chunk_kib\":{c},\"subscribers\":{s},\"chunks\":{n},\"seconds\":{t:.4},\"mib_per_s_per_subscriber\":{r:.1}}}"))
         .collect();
-    std::fs::create_dir_all("bench-out").unwrap();
+    // The workspace's bench-out/ (ignored by git), whatever the working directory.
+    let out = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench-out");
+    std::fs::create_dir_all(&out).unwrap();
     std::fs::write(
-        "bench-out/relay_throughput.json",
+        out.join("relay_throughput.json"),
         format!(
             "{{\"total_mib\":{total_mib},\"rows\":[{}]}}\n",
             json.join(",")
