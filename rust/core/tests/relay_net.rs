@@ -42,6 +42,7 @@ fn two_level_tree_delivers_every_blob_once_in_order_and_collects_acks() {
         let d = r.unwrap();
         assert_eq!(seen, want, "sub {i}");
         assert_eq!((d.version, d.count), (2, n));
+        assert_eq!(&d.delta_id.unwrap(), b"0123456789abcdef");
         let ok = i != 5;
         sub.unwrap()
             .ack(

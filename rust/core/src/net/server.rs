@@ -372,10 +372,11 @@ async fn serve_publisher(
         // Messages decoded so far (also any that came with the handshake).
         while let Some(ServerEvent::Message(m)) = conn.poll_event() {
             let len = m.payload_len() as u64;
-            if let Message::Header { version: v, .. } = &m {
+            if let Message::Header { version: v, blob } = &m {
                 version = Some(*v);
                 ack_idx = 0;
-                info!(node = %shared.cfg.node_id, %peer, version = v, "publisher started a version");
+                let id = crate::relay::wire::delta_id(blob).map(|d| crate::relay::wire::hex(&d));
+                info!(node = %shared.cfg.node_id, %peer, version = v, delta_id = ?id, "publisher started a version");
             }
             let r = shared.hub().on_upstream(m);
             if let Err(e) = r {

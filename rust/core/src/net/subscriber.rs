@@ -80,6 +80,8 @@ pub trait Receiver {
 pub struct Delivered {
     /// Version received.
     pub version: u64,
+    /// Delta id: the first 16 bytes of the header (`None` if it is shorter).
+    pub delta_id: Option<[u8; 16]>,
     /// Number of chunks.
     pub count: u32,
     /// Trailer blob.
@@ -104,6 +106,7 @@ pub struct Subscriber {
     link: Option<Link>,
     next_parent: usize,
     last: Option<Delivered>,
+    delta_id: Option<[u8; 16]>,
 }
 
 impl Subscriber {
@@ -121,6 +124,7 @@ impl Subscriber {
             link: None,
             next_parent: 0,
             last: None,
+            delta_id: None,
         })
     }
 
@@ -259,12 +263,22 @@ impl Subscriber {
                             continue;
                         }
                         match &m {
-                            Message::Header { version, blob } => app.on_header(*version, blob).map_err(|r| Error::Callback { what: "header".into(), reason: r })?,
+                            Message::Header { version, blob } => {
+                                app.on_header(*version, blob).map_err(|r| Error::Callback { what: "header".into(), reason: r })?;
+                                self.delta_id = crate::relay::wire::delta_id(blob);
+                            }
                             Message::Chunk { version, seq, blob } => app.on_chunk(*version, *seq, blob).map_err(|r| Error::Callback { what: format!("chunk {seq}"), reason: r })?,
                             Message::End { version, count, trailer } => {
                                 app.on_end(*version, *count, trailer).map_err(|r| Error::Callback { what: "end".into(), reason: r })?;
                                 self.cursor = next;
-                                return Ok(Delivered { version: *version, count: *count, trailer: trailer.clone(), parent: addr.to_string(), failovers: 0 });
+                                return Ok(Delivered {
+                                    version: *version,
+                                    delta_id: self.delta_id,
+                                    count: *count,
+                                    trailer: trailer.clone(),
+                                    parent: addr.to_string(),
+                                    failovers: 0,
+                                });
                             }
                             _ => {}
                         }

@@ -29,6 +29,16 @@ pub const DIGEST_LEN: usize = 16;
 /// Maximum length of a text field (node ids, reasons).
 pub const MAX_TEXT: usize = 4096;
 
+/// The delta id of a stream: the first 16 bytes of its header blob.
+pub fn delta_id(header: &[u8]) -> Option<[u8; 16]> {
+    header.get(..16).map(|b| b.try_into().expect("16 bytes"))
+}
+
+/// Lowercase hex of bytes (for logs).
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
 /// Who opens a connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
