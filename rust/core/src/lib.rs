@@ -3,7 +3,9 @@
 //! Pure Rust, no Python: the canonical checkpoint model and digests
 //! ([`checkpoint`]), the chunk codec ([`codec`]), the delta format
 //! ([`format`]), whole-checkpoint diff/apply ([`delta`], [`files`]) and the
-//! receiver's crash-safe commit journal ([`journal`]).
+//! receiver's crash-safe commit journal ([`journal`]); the relay-tree
+//! transport: I/O-free protocol state machines ([`relay`]) and their tokio
+//! drivers ([`net`]).
 #![deny(unsafe_code)]
 
 pub mod checkpoint;
@@ -14,5 +16,7 @@ pub mod error;
 pub mod files;
 pub mod format;
 pub mod journal;
+pub mod net;
+pub mod relay;
 
 pub use error::{Error, Result};
