@@ -249,6 +249,15 @@ static __device__ __forceinline__ void dcr_diff_tile(
         u64 k = tile_excl + before_j + dcr_field(excl_packed, j);
         before_j += dcr_field(total_packed, j);
         if (f == 0) continue;
+        /* Baseline update: one 16-byte store of the new vector (unchanged
+           words get their own bits back) when every changed word of the
+           vector has a slot; otherwise word by word for the slots k < cap,
+           so an overflowing one-pass run updates exactly its written entries. */
+        bool vec_updated = false;
+        if (update_baseline && (full || (aligned && base + VEC <= n)) && k + (u64)__popc(f) <= cap) {
+            *reinterpret_cast<uint4*>(old_ + base) = nw[j].v;
+            vec_updated = true;
+        }
         /* constant register indices only (unrolled), so o/nw stay in registers */
 #pragma unroll
         for (int v = 0; v < VEC; ++v) {
@@ -259,7 +268,7 @@ static __device__ __forceinline__ void dcr_diff_tile(
                     positions[k] = (u32)(i - start);
                     if (values) values[k] = (T)(o[j].w[v] ^ nw[j].w[v]);
                     if (new_values) new_values[k] = nw[j].w[v];
-                    if (update_baseline) old_[i] = nw[j].w[v];
+                    if (update_baseline && !vec_updated) old_[i] = nw[j].w[v];
                 }
                 ++k;
             }

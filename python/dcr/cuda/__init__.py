@@ -72,6 +72,41 @@ APPLY_PER_BLOCK = 256 * 4  # DCR_BLOCK * DCR_APPLY_PER_THREAD
 MAX_CHUNK_ELEMS = 1 << 31
 IMPLS = ("auto", "cuda", "cpu")
 
+# Kernel parameter lists, checked at every launch and against the PTX by
+# tests/test_cuda_compile.py: "ptr" = tensor (or None for a null pointer),
+# "u64" = _driver.U64, "i32" = _driver.I32.
+_PTR, _U64, _I32 = "ptr", "u64", "i32"
+SIGNATURES: dict[str, tuple[str, ...]] = {
+    # old, new, n, chunk, aligned, tile_counts, chunk_counts
+    "diff_count": (_PTR, _PTR, _U64, _U64, _I32, _PTR, _PTR),
+    # old, new, n, chunk, aligned, tile_offsets, cap, positions, values, new_values, update_baseline
+    "diff_compact": (_PTR, _PTR, _U64, _U64, _I32, _PTR, _U64, _PTR, _PTR, _PTR, _I32),
+    # old, new, n, chunk, aligned, workspace, chunk_counts, cap, positions, values, new_values, update_baseline
+    "diff_onepass": (_PTR, _PTR, _U64, _U64, _I32, _PTR, _PTR, _U64, _PTR, _PTR, _PTR, _I32),
+    # target, n_target, chunk, chunk_starts, incl, nchunks, positions, values, total, error
+    "apply_xor": (_PTR, _U64, _U64, _PTR, _PTR, _U64, _PTR, _PTR, _U64, _PTR),
+    "apply_overwrite": (_PTR, _U64, _U64, _PTR, _PTR, _U64, _PTR, _PTR, _U64, _PTR),
+}
+
+
+def _check_args(kind: str, args: list[Any]) -> None:
+    sig = SIGNATURES[kind]
+    if len(args) != len(sig):
+        raise TypeError(f"dcr_{kind}: {len(args)} arguments for {len(sig)} parameters")
+    for i, (a, t) in enumerate(zip(args, sig)):
+        ok = (
+            (t == _U64 and isinstance(a, _driver.U64))
+            or (t == _I32 and isinstance(a, _driver.I32))
+            or (t == _PTR and (a is None or hasattr(a, "data_ptr")))
+        )
+        if not ok:
+            raise TypeError(f"dcr_{kind}: argument {i} should be {t}, got {type(a).__name__}")
+
+
+def _launch(k: Any, kind: str, width: int, grid: int, args: list[Any], stream: int) -> None:
+    _check_args(kind, args)
+    k.module.launch(f"dcr_{kind}_w{width}", grid, BLOCK, args, stream)
+
 
 class KernelsUnavailable(RuntimeError):
     """impl='cuda' was asked for but the CUDA kernels cannot run."""
@@ -213,12 +248,20 @@ def _load(device_index: int) -> _Loaded:
                     return _Loaded(_driver.Module(path.read_bytes(), device_index, what=str(path)), origin)
                 except (OSError, _driver.DriverError) as e:
                     reasons.append(f"{origin} {path}: {e}")
+        errors = (NvrtcNotFound, NvrtcError, OSError, _driver.DriverError, ValueError)
         try:
             image = _nvrtc.compile_source(source, arch, target="cubin")
+            module = _driver.Module(image, device_index, what=f"sm_{arch} CUBIN")
             _store(_cache_dir() / name, image)
-            return _Loaded(_driver.Module(image, device_index, what=f"sm_{arch}"), "nvrtc")
-        except (NvrtcNotFound, NvrtcError, OSError, _driver.DriverError, ValueError) as e:
-            reasons.append(f"NVRTC runtime compile: {e}")
+            return _Loaded(module, "nvrtc")
+        except errors as e:
+            reasons.append(f"NVRTC runtime compile (CUBIN): {e}")
+        if not isinstance(_nvrtc_error(reasons), NvrtcNotFound):
+            try:  # e.g. a CUBIN the driver rejects: let the driver JIT the PTX
+                ptx = _nvrtc.compile_source(source, arch, target="ptx")
+                return _Loaded(_driver.Module(ptx, device_index, what=f"compute_{arch} PTX"), "nvrtc-ptx")
+            except errors as e:
+                reasons.append(f"NVRTC runtime compile (PTX): {e}")
         if hasattr(torch.cuda, "_compile_kernel"):
             try:
                 tc = _TorchCompiled(source, arch, device_index)
@@ -229,6 +272,14 @@ def _load(device_index: int) -> _Loaded:
         else:
             reasons.append("torch.cuda._compile_kernel: not in this torch")
     raise KernelsUnavailable("; ".join(reasons))
+
+
+def _nvrtc_error(reasons: list[str]) -> Exception | None:
+    try:
+        _nvrtc.find_nvrtc()
+    except NvrtcNotFound as e:
+        return e
+    return None
 
 
 def _store(path: Path, image: bytes) -> None:
@@ -272,7 +323,7 @@ def _kernels(device_index: int) -> _Loaded:
 
 def load_kernels(device: Any = None) -> str:
     """Load (or compile) the kernels for a CUDA device now; returns where they
-    came from ('prebuilt', 'cache', 'nvrtc', 'torch.cuda._compile_kernel').
+    came from ('prebuilt', 'cache', 'nvrtc', 'nvrtc-ptx', 'torch.cuda._compile_kernel').
     Raises KernelsUnavailable with every reason."""
     torch = _torch()
     if not torch.cuda.is_available():
@@ -358,8 +409,8 @@ def _cuda_sparse_diff(
         stream = torch.cuda.current_stream(dev).cuda_stream
         if strategy == "twopass":
             tile_counts = torch.empty(ntiles, dtype=torch.int64, device=dev)
-            k.module.launch(
-                f"dcr_diff_count_w{w}", ntiles, BLOCK,
+            _launch(
+                k, "diff_count", w, ntiles,
                 [old_w, new_w, U64(n), U64(chunk_elems), I32(aligned), tile_counts, counts], stream,
             )  # fmt: skip
             incl = torch.cumsum(tile_counts, 0)
@@ -369,8 +420,8 @@ def _cuda_sparse_diff(
             values = torch.empty(total, dtype=wd, device=dev)
             new_values = torch.empty(total, dtype=wd, device=dev) if with_new else None
             if total:
-                k.module.launch(
-                    f"dcr_diff_compact_w{w}", ntiles, BLOCK,
+                _launch(
+                    k, "diff_compact", w, ntiles,
                     [old_w, new_w, U64(n), U64(chunk_elems), I32(aligned), offsets, U64(total),
                      positions, values, new_values, I32(int(update_baseline))], stream,
                 )  # fmt: skip
@@ -380,8 +431,8 @@ def _cuda_sparse_diff(
         positions = torch.empty(cap, dtype=torch.int32, device=dev)
         values = torch.empty(cap, dtype=wd, device=dev)
         new_values = torch.empty(cap, dtype=wd, device=dev) if with_new else None
-        k.module.launch(
-            f"dcr_diff_onepass_w{w}", ntiles, BLOCK,
+        _launch(
+            k, "diff_onepass", w, ntiles,
             [old_w, new_w, U64(n), U64(chunk_elems), I32(aligned), workspace, counts, U64(cap),
              positions, values, new_values, I32(int(update_baseline))], stream,
         )  # fmt: skip
@@ -489,11 +540,11 @@ def _cuda_apply(
         starts = chunk_starts.to(device=dev, dtype=torch.int64).contiguous()
     w = target_w.element_size()
     grid = -(-total // APPLY_PER_BLOCK)
-    name = f"dcr_apply_{'xor' if xor else 'overwrite'}_w{w}"
+    kind = "apply_xor" if xor else "apply_overwrite"
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream(dev).cuda_stream
-        k.module.launch(
-            name, grid, BLOCK,
+        _launch(
+            k, kind, w, grid,
             [target_w, U64(target_w.numel()), U64(0 if chunk_starts is not None else chunk_elems), starts,
              incl, U64(nchunks), positions, values_w, U64(total), error], stream,
         )  # fmt: skip

@@ -101,13 +101,24 @@ def candidate_paths() -> list[str]:
         for c in cands
         if "builtins" not in os.path.basename(c) and ".alt." not in os.path.basename(c)
     ]
-    # newest major version first, keep discovery order otherwise
+    # the major version torch was built with first (a CUBIN from a newer
+    # NVRTC may not load on the driver torch runs on), then newest first
+    want = _torch_cuda_major()
     order = {c: i for i, c in reversed(list(enumerate(cands)))}
-    uniq = sorted(order, key=lambda c: (-_major_of(c), order[c]))
+    uniq = sorted(order, key=lambda c: (_major_of(c) != want, -_major_of(c), order[c]))
     if env and env in uniq:
         uniq.remove(env)
         uniq.insert(0, env)
     return uniq
+
+
+def _torch_cuda_major() -> int:
+    torch = sys.modules.get("torch")  # only if the caller already imported it
+    ver = getattr(getattr(torch, "version", None), "cuda", None)
+    try:
+        return int(str(ver).split(".")[0])
+    except ValueError:
+        return -1
 
 
 def find_nvrtc() -> ctypes.CDLL:
