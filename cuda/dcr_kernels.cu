@@ -36,7 +36,27 @@ typedef long long i64;
 
 #define DCR_BLOCK 256
 #define DCR_WARPS (DCR_BLOCK / 32)
-#define DCR_VECS 4 /* 16-byte vectors per thread per tile: tile = 16 KiB of each input */
+/* Tuning knobs, set with -D by the loader (part of the cache key):
+   DCR_VECS: 16-byte vectors per thread per tile (1, 2 or 4; the per-vector
+   counts are packed into 16-bit fields of one 64-bit scan value), so a tile
+   is DCR_BLOCK * DCR_VECS * 16 bytes of each input (16 KiB by default).
+   DCR_MIN_BLOCKS: __launch_bounds__ min blocks per SM for the diff kernels
+   (0 = not given, the compiler's choice; 3 = at most 80 registers a thread,
+   3 blocks of 256 threads per SM, no spills on sm_90 with DCR_VECS 4). */
+#ifndef DCR_VECS
+#define DCR_VECS 4
+#endif
+#ifndef DCR_MIN_BLOCKS
+#define DCR_MIN_BLOCKS 3
+#endif
+#if DCR_MIN_BLOCKS > 0
+#define DCR_DIFF_BOUNDS __launch_bounds__(DCR_BLOCK, DCR_MIN_BLOCKS)
+#else
+#define DCR_DIFF_BOUNDS __launch_bounds__(DCR_BLOCK)
+#endif
+#if DCR_VECS != 1 && DCR_VECS != 2 && DCR_VECS != 4
+#error "DCR_VECS must be 1, 2 or 4"
+#endif
 #define DCR_TILE_BYTES (DCR_BLOCK * DCR_VECS * 16)
 #define DCR_APPLY_PER_THREAD 4
 #define DCR_FULL 0xffffffffu
@@ -99,19 +119,42 @@ static __device__ __forceinline__ u64 dcr_field(u64 packed, int j) {
     return (packed >> (16 * j)) & 0xffffull;
 }
 
+// Word v of a 16-byte vector held as uint4 (v is a compile-time constant
+// after unrolling, so this is a shift and a mask on one register; keeping the
+// data as 4 x 32-bit registers instead of an array of words keeps the
+// register count, and with it occupancy, in check).
+static __device__ __forceinline__ u32 dcr_comp(const uint4& a, int c) {
+    return c == 0 ? a.x : c == 1 ? a.y : c == 2 ? a.z : a.w;
+}
+template <int W>
+static __device__ __forceinline__ typename DcrWord<W>::T dcr_word(const uint4& a, int v) {
+    typedef typename DcrWord<W>::T T;
+    if (W == 8) return (T)(((u64)dcr_comp(a, 2 * v + 1) << 32) | (u64)dcr_comp(a, 2 * v));
+    if (W == 4) return (T)dcr_comp(a, v);
+    const int per = 4 / W;
+    return (T)(dcr_comp(a, v / per) >> (8 * W * (v % per)));
+}
+static __device__ __forceinline__ uint4 dcr_xor4(const uint4& a, const uint4& b) {
+    uint4 r;
+    r.x = a.x ^ b.x;
+    r.y = a.y ^ b.y;
+    r.z = a.z ^ b.z;
+    r.w = a.w ^ b.w;
+    return r;
+}
+
 // Load vector j of this thread's share of the tile (striped: vector j of
 // thread t starts at word tile_start + (j * DCR_BLOCK + t) * VEC).
 template <int W>
-static __device__ __forceinline__ void dcr_load_vec(const typename DcrWord<W>::T* p, u64 base, u64 n,
-                                                    bool vector_ok, DcrVec<W>& out) {
+static __device__ __forceinline__ uint4 dcr_load_vec(const typename DcrWord<W>::T* p, u64 base, u64 n,
+                                                     bool vector_ok) {
     typedef typename DcrWord<W>::T T;
     const int VEC = 16 / W;
-    if (vector_ok) {
-        out.v = *reinterpret_cast<const uint4*>(p + base);
-    } else {
+    if (vector_ok) return *reinterpret_cast<const uint4*>(p + base);
+    DcrVec<W> out;
 #pragma unroll
-        for (int v = 0; v < VEC; ++v) out.w[v] = (base + v < n) ? p[base + v] : (T)0;
-    }
+    for (int v = 0; v < VEC; ++v) out.w[v] = (base + v < n) ? p[base + v] : (T)0;
+    return out.v;
 }
 
 // PHASE 0: count (two-pass, pass 1). PHASE 1: compact with given tile
@@ -147,22 +190,23 @@ static __device__ __forceinline__ void dcr_diff_tile(
     const u64 tile_start = tile * TW;
     const bool full = aligned && (tile_start + TW <= n);
 
-    DcrVec<W> o[DCR_VECS], nw[DCR_VECS];
+    uint4 x[DCR_VECS], nw[DCR_VECS]; /* old ^ new, new */
 #pragma unroll
     for (int j = 0; j < DCR_VECS; ++j) {
         const u64 base = tile_start + (u64)(j * DCR_BLOCK + tid) * VEC;
         const bool vok = full || (aligned && base + VEC <= n);
-        dcr_load_vec<W>(old_, base, n, vok, o[j]);
-        dcr_load_vec<W>(new_, base, n, vok, nw[j]);
+        x[j] = dcr_load_vec<W>(old_, base, n, vok);
+        nw[j] = dcr_load_vec<W>(new_, base, n, vok);
     }
 
     u32 flags[DCR_VECS];
     u64 packed = 0;
 #pragma unroll
     for (int j = 0; j < DCR_VECS; ++j) {
+        x[j] = dcr_xor4(x[j], nw[j]);
         u32 f = 0;
 #pragma unroll
-        for (int v = 0; v < VEC; ++v) f |= ((o[j].w[v] ^ nw[j].w[v]) != 0 ? 1u : 0u) << v;
+        for (int v = 0; v < VEC; ++v) f |= (dcr_word<W>(x[j], v) != 0 ? 1u : 0u) << v;
         flags[j] = f;
         packed |= (u64)__popc(f) << (16 * j);
     }
@@ -255,23 +299,23 @@ static __device__ __forceinline__ void dcr_diff_tile(
            so an overflowing one-pass run updates exactly its written entries. */
         bool vec_updated = false;
         if (update_baseline && (full || (aligned && base + VEC <= n)) && k + (u64)__popc(f) <= cap) {
-            *reinterpret_cast<uint4*>(old_ + base) = nw[j].v;
+            *reinterpret_cast<uint4*>(old_ + base) = nw[j];
             vec_updated = true;
         }
-        /* constant register indices only (unrolled), so o/nw stay in registers */
-#pragma unroll
-        for (int v = 0; v < VEC; ++v) {
-            if ((f >> v) & 1u) {
-                if (k < cap) {
-                    const u64 i = base + v;
-                    const u64 start = (i < c0_end) ? c0_start : (i / chunk) * chunk;
-                    positions[k] = (u32)(i - start);
-                    if (values) values[k] = (T)(o[j].w[v] ^ nw[j].w[v]);
-                    if (new_values) new_values[k] = nw[j].w[v];
-                    if (update_baseline && !vec_updated) old_[i] = nw[j].w[v];
-                }
-                ++k;
+        /* one iteration per changed word; dcr_word with a run-time v is a
+           few selects and a shift, no local memory */
+        while (f) {
+            const int v = __ffs(f) - 1;
+            f &= f - 1;
+            if (k < cap) {
+                const u64 i = base + v;
+                const u64 start = (i < c0_end) ? c0_start : (i / chunk) * chunk;
+                positions[k] = (u32)(i - start);
+                if (values) values[k] = dcr_word<W>(x[j], v);
+                if (new_values) new_values[k] = dcr_word<W>(nw[j], v);
+                if (update_baseline && !vec_updated) old_[i] = dcr_word<W>(nw[j], v);
             }
+            ++k;
         }
     }
 }
@@ -321,20 +365,20 @@ static __device__ __forceinline__ void dcr_apply(
 }
 
 #define DCR_INSTANTIATE(W)                                                                                \
-    extern "C" __global__ void __launch_bounds__(DCR_BLOCK) dcr_diff_count_w##W(                         \
+    extern "C" __global__ void DCR_DIFF_BOUNDS dcr_diff_count_w##W(                         \
         const void* old_, const void* new_, u64 n, u64 chunk, int aligned, i64* tile_counts,             \
         u64* chunk_counts) {                                                                              \
         dcr_diff_tile<W, 0>((DcrWord<W>::T*)old_, (const DcrWord<W>::T*)new_, n, chunk, aligned,         \
                             tile_counts, 0, 0, chunk_counts, 0, 0, 0, 0, 0);                              \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(DCR_BLOCK) dcr_diff_compact_w##W(                       \
+    extern "C" __global__ void DCR_DIFF_BOUNDS dcr_diff_compact_w##W(                       \
         void* old_, const void* new_, u64 n, u64 chunk, int aligned, const i64* tile_offsets, u64 cap,   \
         u32* positions, void* values, void* new_values, int update_baseline) {                            \
         dcr_diff_tile<W, 1>((DcrWord<W>::T*)old_, (const DcrWord<W>::T*)new_, n, chunk, aligned, 0,      \
                             tile_offsets, 0, 0, cap, positions, (DcrWord<W>::T*)values,                   \
                             (DcrWord<W>::T*)new_values, update_baseline);                                 \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(DCR_BLOCK) dcr_diff_onepass_w##W(                       \
+    extern "C" __global__ void DCR_DIFF_BOUNDS dcr_diff_onepass_w##W(                       \
         void* old_, const void* new_, u64 n, u64 chunk, int aligned, u64* workspace, u64* chunk_counts,  \
         u64 cap, u32* positions, void* values, void* new_values, int update_baseline) {                   \
         dcr_diff_tile<W, 2>((DcrWord<W>::T*)old_, (const DcrWord<W>::T*)new_, n, chunk, aligned, 0, 0,   \

@@ -61,9 +61,30 @@ def test_kernel_parameters_match_the_launcher(ptx: tuple[str, str]) -> None:
             assert params == [ptx_type[t] for t in sig], f"dcr_{kind}_w{w}: {params}"
 
 
-def test_cubin_for_the_runtime_path() -> None:
+def test_cubin_for_sm90_without_spills() -> None:
+    # the runtime path compiles a CUBIN; ptxas must keep everything in
+    # registers (spills would cost bandwidth) within the occupancy budget
+    from dcr.cuda import KERNEL_NAMES, ptxas_report
+
+    report = ptxas_report("90")
+    assert sorted(report) == sorted(KERNEL_NAMES)
+    for name, r in report.items():
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{name} spills: {r}"
+        assert r["registers"] <= 80, f"{name} uses {r['registers']} registers (3 blocks/SM need <= 80)"
     image = _nvrtc.compile_source(_nvrtc.kernel_source(), "90", target="cubin")
     assert image[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("vecs,min_blocks", [(1, 0), (2, 0), (2, 4)])
+def test_tuning_variants_compile(vecs: int, min_blocks: int) -> None:
+    from dcr.cuda import _compile_options
+
+    ptx = _nvrtc.compile_source(
+        _nvrtc.kernel_source(), "compute_90", options=_compile_options(vecs, min_blocks)
+    ).decode()
+    assert ptx.count(".visible .entry") == 20
+    with pytest.raises(_nvrtc.NvrtcError, match="DCR_VECS must be 1, 2 or 4"):
+        _nvrtc.compile_source(_nvrtc.kernel_source(), "compute_90", options=_compile_options(3, 0))
 
 
 def test_compile_error_carries_the_log() -> None:
@@ -89,3 +110,4 @@ def test_cache_key_depends_on_source_and_arch() -> None:
     assert a == cache_key("90")
     assert a != cache_key("80")
     assert a != cache_key("90", source=_nvrtc.kernel_source() + "\n// edited\n")
+    assert a != cache_key("90", options=("-DDCR_VECS=2",))

@@ -251,6 +251,18 @@ def test_launcher_argument_checks() -> None:
     assert _driver._c_arg(None).value is None
 
 
+def test_configure_validates() -> None:
+    saved = dc.configure()
+    try:
+        with pytest.raises(ValueError, match="vecs must be 1, 2 or 4"):
+            dc.configure(vecs=3)
+        assert dc.configure(vecs=2)["vecs"] == 2
+        assert dc.tile_bytes(2) == 8192
+    finally:
+        dc.configure(**saved)
+    assert dc.configure() == saved
+
+
 def test_cache_dir_follows_env(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
     monkeypatch.setenv("DCR_CACHE", str(tmp_path))
     assert str(dc._cache_dir()).startswith(str(tmp_path))
@@ -394,6 +406,22 @@ def test_gpu_auto_falls_back_with_one_log_line(monkeypatch: pytest.MonkeyPatch, 
         dc.sparse_diff(old, new, 1024, impl="cuda")
 
 
+@pytest.mark.parametrize("vecs,min_blocks", [(2, 0), (1, 0), (4, 4)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_tuning_variants(vecs: int, min_blocks: int) -> None:
+    saved = dc.configure()
+    try:
+        dc.configure(vecs=vecs, min_blocks=min_blocks)
+        for dtype in (torch.uint8, torch.bfloat16, torch.float64):
+            old, new = random_pair(dtype, 1_000_003, 0.05, seed=vecs, device="cuda")
+            for strategy in ("onepass", "twopass"):
+                cuda_vs_reference(old, new, 40_000, strategy, True)
+            cuda_vs_reference(old, new, 40_000, "onepass", True, capacity=100)
+    finally:
+        dc.configure(**saved)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_gpu_runs_on_a_side_stream() -> None:
@@ -411,7 +439,8 @@ def test_gpu_runs_on_a_side_stream() -> None:
 
 
 @pytest.mark.slow
-def test_kernels_emulated_on_cpu(tmp_path: object) -> None:
+@pytest.mark.parametrize("vecs", [4, 2])
+def test_kernels_emulated_on_cpu(tmp_path: object, vecs: int) -> None:
     """Compile cuda/dcr_kernels.cu as C++ with tests/cuda_emu/emu.h (threads
     for CUDA threads, a process per block, emulated warp intrinsics) and check
     every kernel against a serial reference. Catches logic errors in ranking,
@@ -426,7 +455,8 @@ def test_kernels_emulated_on_cpu(tmp_path: object) -> None:
     src = dc.kernel_source_path()
     exe = Path(str(tmp_path)) / "emu"
     build = subprocess.run(
-        [cxx, "-std=c++20", "-O1", "-pthread", f'-DDCR_KERNELS="{src}"', str(here / "emu_main.cpp"), "-o", str(exe)],
+        [cxx, "-std=c++20", "-O1", "-pthread", f'-DDCR_KERNELS="{src}"', f"-DDCR_VECS={vecs}",
+         str(here / "emu_main.cpp"), "-o", str(exe)],  # fmt: skip
         capture_output=True,
         text=True,
     )

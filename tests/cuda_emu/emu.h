@@ -27,7 +27,7 @@
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
 
 struct alignas(16) uint4 {
     unsigned int x, y, z, w;

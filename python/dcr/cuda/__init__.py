@@ -57,7 +57,7 @@ __all__ = [
     "NvrtcError",
     "NvrtcNotFound",
     "KERNEL_NAMES",
-    "TILE_BYTES",
+    "configure",
     "kernel_source_path",
 ]
 
@@ -66,7 +66,6 @@ log = logging.getLogger("dcr.cuda")
 WIDTHS = (1, 2, 4, 8)
 KERNEL_KINDS = ("diff_count", "diff_compact", "diff_onepass", "apply_xor", "apply_overwrite")
 KERNEL_NAMES = tuple(f"dcr_{k}_w{w}" for w in WIDTHS for k in KERNEL_KINDS)
-TILE_BYTES = 256 * 4 * 16  # DCR_TILE_BYTES in dcr_kernels.cu
 BLOCK = 256  # DCR_BLOCK
 APPLY_PER_BLOCK = 256 * 4  # DCR_BLOCK * DCR_APPLY_PER_THREAD
 MAX_CHUNK_ELEMS = 1 << 31
@@ -106,6 +105,47 @@ def _check_args(kind: str, args: list[Any]) -> None:
 def _launch(k: Any, kind: str, width: int, grid: int, args: list[Any], stream: int) -> None:
     _check_args(kind, args)
     k.module.launch(f"dcr_{kind}_w{width}", grid, BLOCK, args, stream)
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    try:
+        return int(v) if v else default
+    except ValueError:
+        raise ValueError(f"${name} must be an integer, got {v!r}") from None
+
+
+# Tuning knobs compiled into the kernels (-DDCR_VECS, -DDCR_MIN_BLOCKS; see
+# dcr_kernels.cu). $DCR_CUDA_VECS / $DCR_CUDA_MIN_BLOCKS or configure().
+_TUNING = {"vecs": _env_int("DCR_CUDA_VECS", 4), "min_blocks": _env_int("DCR_CUDA_MIN_BLOCKS", 3)}
+
+
+def configure(*, vecs: int | None = None, min_blocks: int | None = None) -> dict[str, int]:
+    """Set the kernel tuning used by later calls (each setting is compiled and
+    cached separately); returns the current settings."""
+    if vecs is not None:
+        if vecs not in (1, 2, 4):
+            raise ValueError(f"vecs must be 1, 2 or 4, got {vecs}")
+        _TUNING["vecs"] = vecs
+    if min_blocks is not None:
+        if not 0 <= min_blocks <= 8:
+            raise ValueError(f"min_blocks must be in [0, 8], got {min_blocks}")
+        _TUNING["min_blocks"] = min_blocks
+    return dict(_TUNING)
+
+
+def _tuning() -> tuple[int, int]:
+    configure(**_TUNING)  # validates values that came from the environment
+    return _TUNING["vecs"], _TUNING["min_blocks"]
+
+
+def _compile_options(vecs: int, min_blocks: int) -> tuple[str, ...]:
+    return tuple(_nvrtc.DEFAULT_OPTIONS) + (f"-DDCR_VECS={vecs}", f"-DDCR_MIN_BLOCKS={min_blocks}")
+
+
+def tile_bytes(vecs: int) -> int:
+    """Bytes of each input one diff block handles (DCR_TILE_BYTES)."""
+    return BLOCK * vecs * 16
 
 
 class KernelsUnavailable(RuntimeError):
@@ -164,9 +204,11 @@ def _cache_dir() -> Path:
     return base / "cuda"
 
 
-def cache_key(arch: str, source: str | None = None, options: tuple[str, ...] = _nvrtc.DEFAULT_OPTIONS) -> str:
+def cache_key(arch: str, source: str | None = None, options: tuple[str, ...] | None = None) -> str:
     """Hash of kernel source + arch + options + NVRTC version (if loadable)."""
     src = kernel_source() if source is None else source
+    if options is None:
+        options = _compile_options(*_tuning())
     try:
         ver = "%d.%d" % _nvrtc.nvrtc_version()
     except (NvrtcNotFound, NvrtcError):
@@ -186,15 +228,39 @@ def compile_ptx(arch: str | int = "compute_90") -> str:
     """Compile cuda/dcr_kernels.cu to PTX for ``arch`` (e.g. 'compute_80',
     'compute_90', 90) with NVRTC; no GPU needed. Raises NvrtcNotFound if the
     library is missing, NvrtcError (with the log) if the source is rejected."""
-    return _nvrtc.compile_source(kernel_source(), arch, target="ptx").decode()
+    return _nvrtc.compile_source(kernel_source(), arch, target="ptx", options=_compile_options(*_tuning())).decode()
+
+
+def ptxas_report(arch: str | int = "90") -> dict[str, dict[str, int]]:
+    """Registers, stack and spill bytes per kernel from ptxas for sm_<arch>
+    (NVRTC only, no GPU needed): {kernel: {"registers", "stack", "spill_stores", "spill_loads"}}."""
+    import re
+
+    _, log_text = _nvrtc.compile_source(
+        kernel_source(), arch, target="cubin", options=_compile_options(*_tuning()) + ("--ptxas-options=-v",),
+        with_log=True,
+    )  # fmt: skip
+    out: dict[str, dict[str, int]] = {}
+    pat = re.compile(
+        r"Function properties for (\w+)\n.*?(\d+) bytes stack frame, (\d+) bytes spill stores, "
+        r"(\d+) bytes spill loads.*?\n.*?Used (\d+) registers",
+    )
+    for m in pat.finditer(log_text):
+        out[m.group(1)] = {
+            "registers": int(m.group(5)),
+            "stack": int(m.group(2)),
+            "spill_stores": int(m.group(3)),
+            "spill_loads": int(m.group(4)),
+        }
+    return out
 
 
 class _TorchCompiled:
     """Kernels compiled one by one by torch.cuda._compile_kernel (private,
     guarded), launched through our typed launcher via their CUfunction."""
 
-    def __init__(self, source: str, arch: str, device_index: int) -> None:
-        self.source, self.arch, self.device_index = source, arch, device_index
+    def __init__(self, source: str, arch: str, device_index: int, options: tuple[str, ...]) -> None:
+        self.source, self.arch, self.device_index, self.options = source, arch, device_index, options
         self.ctx = _driver.ensure_context(device_index)
         self._funcs: dict[str, Any] = {}
 
@@ -202,7 +268,9 @@ class _TorchCompiled:
         f = self._funcs.get(name)
         if f is None:
             torch = _torch()
-            k = torch.cuda._compile_kernel(self.source, name, compute_capability=self.arch)
+            k = torch.cuda._compile_kernel(
+                self.source, name, compute_capability=self.arch, nvcc_options=list(self.options)
+            )
             f = getattr(k, "func", None)
             if f is None:
                 raise KernelsUnavailable("torch.cuda._compile_kernel returned no CUfunction handle (.func)")
@@ -214,14 +282,15 @@ class _TorchCompiled:
 
 
 class _Loaded:
-    def __init__(self, module: Any, origin: str) -> None:
+    def __init__(self, module: Any, origin: str, vecs: int) -> None:
         self.module = module
         self.origin = origin
+        self.tile_bytes = tile_bytes(vecs)
 
 
 _load_lock = threading.Lock()
-_loaded: dict[int, _Loaded] = {}
-_failed: dict[int, str] = {}
+_loaded: dict[tuple[int, int, int], _Loaded] = {}  # (device, vecs, min_blocks)
+_failed: dict[int, str] = {}  # device -> why nothing could be loaded
 _warned: set[int] = set()
 
 
@@ -231,42 +300,43 @@ def _device_arch(device_index: int) -> str:
     return f"{major}{minor}"
 
 
-def _load(device_index: int) -> _Loaded:
+def _load(device_index: int, vecs: int, min_blocks: int) -> _Loaded:
     """Load the kernels for one device: prebuilt, cache, NVRTC, torch."""
     torch = _torch()
     reasons: list[str] = []
+    options = _compile_options(vecs, min_blocks)
     with torch.cuda.device(device_index):
         torch.empty(1, device=f"cuda:{device_index}")  # make torch create the primary context
         arch = _device_arch(device_index)
         source = kernel_source()
-        key = cache_key(arch, source)
+        key = cache_key(arch, source, options)
         name = _image_name(arch, key)
         cands = [("prebuilt", Path(__file__).resolve().parent / "_prebuilt" / name), ("cache", _cache_dir() / name)]
         for origin, path in cands:
             if path.is_file():
                 try:
-                    return _Loaded(_driver.Module(path.read_bytes(), device_index, what=str(path)), origin)
+                    return _Loaded(_driver.Module(path.read_bytes(), device_index, what=str(path)), origin, vecs)
                 except (OSError, _driver.DriverError) as e:
                     reasons.append(f"{origin} {path}: {e}")
         errors = (NvrtcNotFound, NvrtcError, OSError, _driver.DriverError, ValueError)
         try:
-            image = _nvrtc.compile_source(source, arch, target="cubin")
+            image = _nvrtc.compile_source(source, arch, target="cubin", options=options)
             module = _driver.Module(image, device_index, what=f"sm_{arch} CUBIN")
             _store(_cache_dir() / name, image)
-            return _Loaded(module, "nvrtc")
+            return _Loaded(module, "nvrtc", vecs)
         except errors as e:
             reasons.append(f"NVRTC runtime compile (CUBIN): {e}")
         if not isinstance(_nvrtc_error(reasons), NvrtcNotFound):
             try:  # e.g. a CUBIN the driver rejects: let the driver JIT the PTX
-                ptx = _nvrtc.compile_source(source, arch, target="ptx")
-                return _Loaded(_driver.Module(ptx, device_index, what=f"compute_{arch} PTX"), "nvrtc-ptx")
+                ptx = _nvrtc.compile_source(source, arch, target="ptx", options=options)
+                return _Loaded(_driver.Module(ptx, device_index, what=f"compute_{arch} PTX"), "nvrtc-ptx", vecs)
             except errors as e:
                 reasons.append(f"NVRTC runtime compile (PTX): {e}")
         if hasattr(torch.cuda, "_compile_kernel"):
             try:
-                tc = _TorchCompiled(source, arch, device_index)
+                tc = _TorchCompiled(source, arch, device_index, options)
                 tc.function("dcr_apply_xor_w1")  # compile one to see it works
-                return _Loaded(tc, "torch.cuda._compile_kernel")
+                return _Loaded(tc, "torch.cuda._compile_kernel", vecs)
             except Exception as e:  # private API: any failure means "not usable"
                 reasons.append(f"torch.cuda._compile_kernel: {type(e).__name__}: {e}")
         else:
@@ -302,22 +372,27 @@ def _device_index(device: Any) -> int:
 
 
 def _kernels(device_index: int) -> _Loaded:
-    got = _loaded.get(device_index)
+    vecs, min_blocks = _tuning()
+    key = (device_index, vecs, min_blocks)
+    got = _loaded.get(key)
     if got is not None:
         return got
     with _load_lock:
-        got = _loaded.get(device_index)
+        got = _loaded.get(key)
         if got is not None:
             return got
         if device_index in _failed:
             raise KernelsUnavailable(_failed[device_index])
         try:
-            got = _load(device_index)
+            got = _load(device_index, vecs, min_blocks)
         except KernelsUnavailable as e:
             _failed[device_index] = str(e)
             raise
-        log.info("dcr.cuda: kernels for cuda:%d loaded from %s", device_index, got.origin)
-        _loaded[device_index] = got
+        log.info(
+            "dcr.cuda: kernels for cuda:%d (vecs=%d, min_blocks=%d) loaded from %s",
+            device_index, vecs, min_blocks, got.origin,
+        )  # fmt: skip
+        _loaded[key] = got
         return got
 
 
@@ -403,7 +478,7 @@ def _cuda_sparse_diff(
         e = torch.empty(0, dtype=torch.int32, device=dev)
         v = torch.empty(0, dtype=wd, device=dev)
         return counts, e, v, (v.clone() if with_new else None)
-    ntiles = -(-n // (TILE_BYTES // w))
+    ntiles = -(-n // (k.tile_bytes // w))
     aligned = int(old_w.data_ptr() % 16 == 0 and new_w.data_ptr() % 16 == 0)
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream(dev).cuda_stream

@@ -16,6 +16,7 @@ import site
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "NvrtcError",
@@ -259,12 +260,14 @@ def compile_source(
     target: str = "ptx",
     options: tuple[str, ...] | list[str] = DEFAULT_OPTIONS,
     name: str = KERNEL_SOURCE_NAME,
-) -> bytes:
+    with_log: bool = False,
+) -> Any:
     """Compile CUDA C++ ``source`` with NVRTC.
 
     ``target="ptx"`` compiles for ``compute_<arch>`` and returns PTX text
     (bytes, no trailing NUL); ``target="cubin"`` compiles for ``sm_<arch>``
-    and returns the CUBIN image. Raises NvrtcError with the compile log.
+    and returns the CUBIN image; ``with_log=True`` returns (image, log).
+    Raises NvrtcError with the compile log.
     """
     if target not in ("ptx", "cubin"):
         raise ValueError(f"target must be 'ptx' or 'cubin', not {target!r}")
@@ -298,10 +301,12 @@ def compile_source(
             _check(lib, lib.nvrtcGetPTXSize(prog, ctypes.byref(size)), "nvrtcGetPTXSize")
             buf = ctypes.create_string_buffer(size.value)
             _check(lib, lib.nvrtcGetPTX(prog, buf), "nvrtcGetPTX")
-            return buf.raw.rstrip(b"\0")
-        _check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
-        buf = ctypes.create_string_buffer(size.value)
-        _check(lib, lib.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
-        return buf.raw
+            image = buf.raw.rstrip(b"\0")
+        else:
+            _check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+            buf = ctypes.create_string_buffer(size.value)
+            _check(lib, lib.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
+            image = buf.raw
+        return (image, log) if with_log else image
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
