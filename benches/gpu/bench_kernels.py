@@ -54,6 +54,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", type=Path, default=None, help="write results as JSON here")
     p.add_argument(
+        "--no-sweep",
+        action="store_true",
+        help="skip the tuning sweep (one-pass diff at the middle fraction for each DCR_VECS/DCR_MIN_BLOCKS setting)",
+    )
+    p.add_argument(
         "--dry-run-cpu",
         action="store_true",
         help="exercise this script on the CPU with the reference path (checks the script, measures nothing useful)",
@@ -86,6 +91,7 @@ def main() -> int:
         def sync() -> None:
             pass
 
+        props = None
     else:
         dev, impl = torch.device("cuda", torch.cuda.current_device()), "cuda"
         props = torch.cuda.get_device_properties(dev)
@@ -223,12 +229,68 @@ def main() -> int:
         if not dry:
             torch.cuda.empty_cache()
 
+    sweep: list[dict] = []
+    if not args.no_sweep:
+        fracs = [float(f) for f in args.fracs.split(",")]
+        frac = fracs[len(fracs) // 2]
+        new = pristine.clone()
+        k = int(frac * n)
+        if k:
+            idx = torch.randint(0, n, (k,), device=dev, generator=g)
+            new[idx] = new[idx] ^ 1
+            del idx
+        want = dc.sparse_diff(pristine, new, args.chunk_elems, impl="cpu")
+        total = want[1].numel()
+        cap = total + total // 16 + 4096
+        saved = dc.configure()
+        for vecs, min_blocks in ((4, 3), (4, 0), (4, 4), (2, 0), (2, 4), (1, 0)):
+            dc.configure(vecs=vecs, min_blocks=min_blocks)
+            t0 = time.perf_counter()
+            try:
+                if not dry:
+                    dc.load_kernels(dev)
+            except dc.KernelsUnavailable as e:
+                print(f"sweep vecs={vecs} min_blocks={min_blocks}: {e}", file=sys.stderr)
+                continue
+            load = time.perf_counter() - t0
+            regs = None
+            if not dry:
+                try:
+                    rep = dc.ptxas_report(f"{props.major}{props.minor}")
+                    regs = rep.get(f"dcr_diff_onepass_w{w}", {}).get("registers")
+                except Exception as e:  # informative only
+                    print(f"ptxas report failed: {e}", file=sys.stderr)
+            for strategy in ("onepass", "twopass"):
+                got = dc.sparse_diff(pristine, new, args.chunk_elems, impl=impl, strategy=strategy, capacity=cap)
+                check(all(same(x, y) for x, y in zip(got, want)), f"sweep vecs={vecs} min_blocks={min_blocks} {strategy}")
+                del got
+                ms = timed(
+                    lambda: dc.sparse_diff(pristine, new, args.chunk_elems, impl=impl, strategy=strategy, capacity=cap)
+                )
+                gbps = (2 * size + total * (4 + w)) / ms / 1e6
+                sweep.append(
+                    {"vecs": vecs, "min_blocks": min_blocks, "strategy": strategy, "frac": frac, "ms": ms,
+                     "GBps": gbps, "pct_of_copy": 100 * gbps / copy_gbps, "registers": regs, "load_s": load}
+                )  # fmt: skip
+        dc.configure(**saved)
+        del new, want
+
     print()
     print(f"{args.dtype}, {size / 2**30:.2f} GiB, chunk {args.chunk_elems} elements, copy {copy_gbps:.0f} GB/s")
     print(f"{'op':<18} {'changed':>7} {'ms':>9} {'GB/s':>8} {'% copy':>7} {'vs copy':>8}")
     for r in rows:
         vs = f"{r['x_faster_than_dense_copy']:.1f}x" if "x_faster_than_dense_copy" in r else ""
         print(f"{r['op']:<18} {100 * r['frac']:>6.1f}% {r['ms']:>9.3f} {r['GBps']:>8.0f} {r['pct_of_copy']:>6.0f}% {vs:>8}")
+    if sweep:
+        print()
+        print(f"tuning sweep at {100 * sweep[0]['frac']:.1f}% changed (default: vecs=4 min_blocks=3)")
+        print(f"{'vecs':>4} {'min_blocks':>10} {'strategy':>8} {'regs':>5} {'ms':>9} {'GB/s':>8} {'% copy':>7}")
+        for r in sweep:
+            print(
+                f"{r['vecs']:>4} {r['min_blocks']:>10} {r['strategy']:>8} {r['registers'] or '-':>5} {r['ms']:>9.3f} "
+                f"{r['GBps']:>8.0f} {r['pct_of_copy']:>6.0f}%"
+            )
+        print()
     goal = [r for r in rows if r["op"] == "diff onepass"]
     met = bool(goal) and all(r["pct_of_copy"] >= 80 for r in goal)
     print(f"goal (diff onepass >= 80% of copy bandwidth): {'met' if met else 'NOT met'}")
@@ -251,6 +313,7 @@ def main() -> int:
         "copy_ms": copy_ms,
         "copy_GBps": copy_gbps,
         "rows": rows,
+        "sweep": sweep,
         "goal_met": met,
         "failures": failures,
     }
