@@ -378,7 +378,7 @@ def test_gpu_apply_chunk_starts_and_bounds() -> None:
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_gpu_loader_reports_origin_and_caches(monkeypatch: pytest.MonkeyPatch, tmp_path: object, caplog: pytest.LogCaptureFixture) -> None:
     origin = dc.load_kernels("cuda")
-    assert origin in ("prebuilt", "cache", "nvrtc", "nvrtc-ptx", "torch.cuda._compile_kernel")
+    assert origin in ("prebuilt", "cache", "nvrtc", "nvrtc-ptx", "torch.cuda._compile_kernel", "load_inline")
     assert dc.kernels_available("cuda")
     # a fresh cache dir: compile, store, then load from the cache
     monkeypatch.setenv("DCR_CACHE", str(tmp_path))

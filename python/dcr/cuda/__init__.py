@@ -24,13 +24,15 @@ Kernel loading (first CUDA call per device): prebuilt CUBIN shipped in
 ``~/.cache/dcr/cuda``, keyed by a hash of the source, GPU arch, options and
 NVRTC version), then a runtime compile with NVRTC (our ctypes binding of the
 library in the nvidia-cuda-nvrtc wheel; failing that, the private
-``torch.cuda._compile_kernel`` if this torch has it). If all fail, impl="auto"
+``torch.cuda._compile_kernel`` if this torch has it, then nvcc through
+``torch.utils.cpp_extension.load_inline``). If all fail, impl="auto"
 falls back to the reference path on the tensors' device and logs why once;
 impl="cuda" raises.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -326,7 +328,7 @@ def _load(device_index: int, vecs: int, min_blocks: int) -> _Loaded:
             return _Loaded(module, "nvrtc", vecs)
         except errors as e:
             reasons.append(f"NVRTC runtime compile (CUBIN): {e}")
-        if not isinstance(_nvrtc_error(reasons), NvrtcNotFound):
+        if _nvrtc_missing() is None:
             try:  # e.g. a CUBIN the driver rejects: let the driver JIT the PTX
                 ptx = _nvrtc.compile_source(source, arch, target="ptx", options=options)
                 return _Loaded(_driver.Module(ptx, device_index, what=f"compute_{arch} PTX"), "nvrtc-ptx", vecs)
@@ -341,10 +343,72 @@ def _load(device_index: int, vecs: int, min_blocks: int) -> _Loaded:
                 reasons.append(f"torch.cuda._compile_kernel: {type(e).__name__}: {e}")
         else:
             reasons.append("torch.cuda._compile_kernel: not in this torch")
+        try:
+            return _Loaded(_InlineModule(source, arch, options, key), "load_inline", vecs)
+        except Exception as e:  # nvcc/ninja missing, build errors: not usable
+            reasons.append(f"torch.utils.cpp_extension.load_inline: {type(e).__name__}: {str(e)[-2000:]}")
     raise KernelsUnavailable("; ".join(reasons))
 
 
-def _nvrtc_error(reasons: list[str]) -> Exception | None:
+class _InlineModule:
+    """Last resort: build the kernels plus a small launcher with nvcc through
+    torch.utils.cpp_extension.load_inline (needs a CUDA toolkit and ninja)."""
+
+    def __init__(self, source: str, arch: str, options: tuple[str, ...], key: str) -> None:
+        from torch.utils import cpp_extension
+
+        if cpp_extension.CUDA_HOME is None:
+            raise KernelsUnavailable("no CUDA toolkit (CUDA_HOME unset and no nvcc on PATH)")
+        cases = "\n".join(f'    if (name == "{k}") return (const void*){k};' for k in KERNEL_NAMES)
+        launcher = f"""
+#include <string>
+#include <vector>
+#include <cuda_runtime.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+static const void* dcr_kernel_ptr(const std::string& name) {{
+{cases}
+    return nullptr;
+}}
+void dcr_launch(const std::string& name, int64_t grid, int64_t block, std::vector<int64_t> values,
+                std::vector<int64_t> bits) {{
+    const void* f = dcr_kernel_ptr(name);
+    TORCH_CHECK(f != nullptr, "dcr: no kernel named ", name);
+    std::vector<unsigned long long> v64(values.size());
+    std::vector<int> v32(values.size());
+    std::vector<void*> args(values.size());
+    for (size_t i = 0; i < values.size(); ++i) {{
+        if (bits[i] == 32) {{ v32[i] = (int)values[i]; args[i] = &v32[i]; }}
+        else {{ v64[i] = (unsigned long long)values[i]; args[i] = &v64[i]; }}
+    }}
+    cudaError_t e = cudaLaunchKernel(f, dim3((unsigned)grid), dim3((unsigned)block), args.data(), 0,
+                                     c10::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(e == cudaSuccess, "dcr: launching ", name, " failed: ", cudaGetErrorString(e));
+}}
+"""
+        self.ext = cpp_extension.load_inline(
+            name=f"dcr_kernels_{key[:16]}",
+            cpp_sources="void dcr_launch(const std::string& name, int64_t grid, int64_t block, "
+            "std::vector<int64_t> values, std::vector<int64_t> bits);",
+            cuda_sources=source + launcher,
+            functions=["dcr_launch"],
+            extra_cuda_cflags=[o for o in options if o.startswith("-D")]
+            + [f"-gencode=arch=compute_{arch},code=sm_{arch}"],
+            verbose=False,
+        )
+
+    def launch(self, name: str, grid: int, block: int, args: Any, stream: int) -> None:
+        values, bits = [], []
+        for a in args:
+            c = _driver._c_arg(a)  # validates kinds
+            bits.append(32 if isinstance(c, ctypes.c_int32) else 64)
+            v = c.value or 0
+            values.append(v - (1 << 64) if v >= 1 << 63 else v)
+        if grid > 0:
+            self.ext.dcr_launch(name, grid, block, values, bits)  # on torch's current stream
+
+
+def _nvrtc_missing() -> NvrtcNotFound | None:
     try:
         _nvrtc.find_nvrtc()
     except NvrtcNotFound as e:
@@ -398,7 +462,7 @@ def _kernels(device_index: int) -> _Loaded:
 
 def load_kernels(device: Any = None) -> str:
     """Load (or compile) the kernels for a CUDA device now; returns where they
-    came from ('prebuilt', 'cache', 'nvrtc', 'nvrtc-ptx', 'torch.cuda._compile_kernel').
+    came from ('prebuilt', 'cache', 'nvrtc', 'nvrtc-ptx', 'torch.cuda._compile_kernel', 'load_inline').
     Raises KernelsUnavailable with every reason."""
     torch = _torch()
     if not torch.cuda.is_available():
