@@ -466,3 +466,107 @@ def test_kernels_emulated_on_cpu(tmp_path: object, vecs: int) -> None:
     run = subprocess.run([str(exe), "4"], capture_output=True, text=True, timeout=500)
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
     assert "PASSED: 0 failures" in run.stdout
+
+
+# ----------------------------------------------------------------- the real launch path, emulated driver
+
+
+@pytest.fixture(scope="module", params=[4, 2], ids=["vecs4", "vecs2"])
+def fake_driver(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, int]:
+    """tests/cuda_emu/fake_libcuda.cpp built as a shared library: the driver
+    calls dcr.cuda._driver makes, with kernels emulated on host memory."""
+    import shutil
+    from pathlib import Path
+
+    cxx = shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler (g++/clang++) for the emulated driver")
+    vecs = request.param
+    here = Path(__file__).resolve().parent / "cuda_emu"
+    lib = tmp_path_factory.mktemp("fakecuda") / f"libfakecuda_v{vecs}.so"
+    build = subprocess.run(
+        [cxx, "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", f'-DDCR_KERNELS="{dc.kernel_source_path()}"',
+         f"-DDCR_VECS={vecs}", str(here / "fake_libcuda.cpp"), "-o", str(lib)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if build.returncode != 0 and "barrier" in build.stderr:
+        pytest.skip(f"{cxx} lacks C++20 <barrier>")
+    assert build.returncode == 0, build.stderr[-4000:]
+    return str(lib), vecs
+
+
+@pytest.fixture
+def emulated_cuda(fake_driver: tuple[str, int], monkeypatch: pytest.MonkeyPatch) -> object:
+    """impl='cuda' on CPU tensors goes through dc._driver into the fake driver."""
+    lib, vecs = fake_driver
+    monkeypatch.setenv("DCR_LIBCUDA", lib)
+    monkeypatch.setattr(_driver, "_libcuda", None)
+    loaded = dc._Loaded(_driver.Module(b"fake image", 0), "emulated", vecs)
+    real_select = dc._select
+
+    def select(impl: str, tensors: list, what: str) -> object:
+        return loaded if impl == "cuda" else real_select(impl, tensors, what)
+
+    monkeypatch.setattr(dc, "_select", select)
+    yield loaded
+    monkeypatch.setattr(_driver, "_libcuda", None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float8_e5m2, torch.bfloat16, torch.float32, torch.int64], ids=_ids)
+def test_launch_path_on_emulated_driver(emulated_cuda: object, dtype: torch.dtype) -> None:
+    w = torch.empty((), dtype=dtype).element_size()
+    tile = emulated_cuda.tile_bytes // w  # type: ignore[attr-defined]
+    for n, chunk, frac in ((1, 1, 1.0), (tile * 2 + 3, 1000, 0.05), (tile * 3, tile, 0.02), (5000, 1 << 20, 0.0)):
+        old, new = random_pair(dtype, n, frac, seed=n + w)
+        for strategy, capacity in (("onepass", None), ("twopass", None), ("onepass", 7)):
+            for update in (False, True):
+                ref_old, got_old = old.clone(), old.clone()
+                want = dc.sparse_diff(ref_old, new, chunk, impl="cpu", update_baseline=update, with_new=True)
+                got = dc.sparse_diff(
+                    got_old, new, chunk, impl="cuda", update_baseline=update, with_new=True,
+                    strategy=strategy, capacity=capacity,
+                )  # fmt: skip
+                for nm, g, e in zip(("counts", "positions", "values", "new_values"), got, want):
+                    assert g.dtype == e.dtype and torch.equal(g, e), f"{nm}: n={n} chunk={chunk} {strategy} cap={capacity}"
+                assert same_bits(got_old, ref_old)
+        counts, positions, values, new_values = want
+        t = old.clone()
+        dc.apply_xor(t, chunk, counts, positions, values, impl="cuda")
+        assert same_bits(t, new)
+        t = old.clone()
+        dc.apply_overwrite(t, chunk, counts, positions, new_values, impl="cuda")
+        assert same_bits(t, new)
+
+
+@pytest.mark.slow
+def test_launch_path_apply_ranges_and_errors_on_emulated_driver(emulated_cuda: object) -> None:
+    target = torch.zeros(100, dtype=torch.int32)
+    counts = torch.tensor([2, 0, 1])
+    positions = torch.tensor([0, 3, 2], dtype=torch.int32)
+    values = torch.tensor([5, 6, 7], dtype=torch.int32)
+    starts = torch.tensor([40, 60, 90])
+    dc.apply_overwrite(target, 10, counts, positions, values, impl="cuda", chunk_starts=starts)
+    assert target.nonzero().reshape(-1).tolist() == [40, 43, 92]
+    with pytest.raises(ValueError, match="outside the target"):
+        dc.apply_xor(target, 10, counts, positions, values, impl="cuda", chunk_starts=starts + 9)
+    assert target[99].item() == 0  # the bad entry was skipped
+    with pytest.raises(ValueError, match="sum to the number of entries"):
+        dc.apply_xor(target, 10, counts + 1, positions, values, impl="cuda")
+    with pytest.raises(ValueError, match="outside the target"):
+        dc.apply_xor(target, 10, counts, torch.tensor([0, 3, 10], dtype=torch.int32), values, impl="cuda")
+    # uint32 positions are accepted as they are
+    t = torch.zeros(30, dtype=torch.int16)
+    dc.apply_overwrite(t, 10, torch.tensor([1, 1]), torch.tensor([9, 0], dtype=torch.uint32),
+                       torch.tensor([1, 2], dtype=torch.int16), impl="cuda")  # fmt: skip
+    assert t.nonzero().reshape(-1).tolist() == [9, 10]
+
+
+@pytest.mark.slow
+def test_driver_errors_are_reported(emulated_cuda: object) -> None:
+    m = emulated_cuda.module  # type: ignore[attr-defined]
+    with pytest.raises(_driver.DriverError, match=r"cuModuleGetFunction\(dcr_nope\).*NOT_FOUND"):
+        m.function("dcr_nope")
+    with pytest.raises(_driver.DriverError, match=r"cuLaunchKernel"):
+        m.launch("dcr_apply_xor_w4", 1, 128, [None] * 10, 0)  # the fake insists on 256 threads
+    m.launch("dcr_apply_xor_w4", 0, 256, [], 0)  # an empty grid launches nothing

@@ -125,7 +125,6 @@ inline bool emu_launch(unsigned grid, unsigned block, int parallel, const std::f
             std::barrier<> bbar(block);
             emu_block_bar = &bbar;
             unsigned nw = (block + 31) / 32;
-            std::vector<std::barrier<>*> wb;
             std::vector<EmuWarp> warps(nw);
             for (unsigned w = 0; w < nw; ++w) warps[w].bar = new std::barrier<>(32);
             emu_warps = warps.data();
@@ -143,4 +142,30 @@ inline bool emu_launch(unsigned grid, unsigned block, int parallel, const std::f
     }
     reap(true);
     return ok;
+}
+
+// Run `grid` blocks one after another in this process (threads for CUDA
+// threads). For memory the caller owns (e.g. torch CPU tensors), which forked
+// block processes could not write back; blocks never overlap, so the
+// one-pass look-back always finds its predecessor finished.
+inline bool emu_launch_inprocess(unsigned grid, unsigned block, const std::function<void()>& body) {
+    for (unsigned b = 0; b < grid; ++b) {
+        blockIdx.x = b;
+        std::barrier<> bbar(block);
+        emu_block_bar = &bbar;
+        unsigned nw = (block + 31) / 32;
+        std::vector<EmuWarp> warps(nw);
+        for (unsigned w = 0; w < nw; ++w) warps[w].bar = new std::barrier<>(32);
+        emu_warps = warps.data();
+        std::vector<std::thread> ts;
+        ts.reserve(block);
+        for (unsigned t = 0; t < block; ++t)
+            ts.emplace_back([t, &body] {
+                threadIdx.x = t;
+                body();
+            });
+        for (auto& t : ts) t.join();
+        for (auto& w : warps) delete w.bar;
+    }
+    return true;
 }

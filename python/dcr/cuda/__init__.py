@@ -32,6 +32,7 @@ impl="cuda" raises.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -513,6 +514,16 @@ def _select(impl: str, tensors: list[torch.Tensor], what: str) -> _Loaded | None
         return None
 
 
+def _on_device(dev: Any) -> tuple[Any, int]:
+    """(context manager making dev current, torch's current stream handle).
+    Host tensors only reach the launchers in tests, with the emulated driver
+    (tests/cuda_emu/fake_libcuda.cpp)."""
+    torch = _torch()
+    if dev.type == "cuda":
+        return torch.cuda.device(dev), torch.cuda.current_stream(dev).cuda_stream
+    return contextlib.nullcontext(), 0
+
+
 # ----------------------------------------------------------------- diff
 
 
@@ -544,8 +555,8 @@ def _cuda_sparse_diff(
         return counts, e, v, (v.clone() if with_new else None)
     ntiles = -(-n // (k.tile_bytes // w))
     aligned = int(old_w.data_ptr() % 16 == 0 and new_w.data_ptr() % 16 == 0)
-    with torch.cuda.device(dev):
-        stream = torch.cuda.current_stream(dev).cuda_stream
+    ctx, stream = _on_device(dev)
+    with ctx:
         if strategy == "twopass":
             tile_counts = torch.empty(ntiles, dtype=torch.int64, device=dev)
             _launch(
@@ -680,8 +691,8 @@ def _cuda_apply(
     w = target_w.element_size()
     grid = -(-total // APPLY_PER_BLOCK)
     kind = "apply_xor" if xor else "apply_overwrite"
-    with torch.cuda.device(dev):
-        stream = torch.cuda.current_stream(dev).cuda_stream
+    ctx, stream = _on_device(dev)
+    with ctx:
         _launch(
             k, kind, w, grid,
             [target_w, U64(target_w.numel()), U64(0 if chunk_starts is not None else chunk_elems), starts,

@@ -10,6 +10,7 @@ we launch through ``cuLaunchKernel`` ourselves.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from typing import Any, Sequence
 
@@ -28,10 +29,12 @@ def libcuda() -> ctypes.CDLL:
     global _libcuda
     with _lock:
         if _libcuda is None:
+            # $DCR_LIBCUDA: tests point this at an emulated driver
+            path = os.environ.get("DCR_LIBCUDA") or "libcuda.so.1"
             try:
-                lib = ctypes.CDLL("libcuda.so.1")
+                lib = ctypes.CDLL(path)
             except OSError as e:
-                raise DriverError(f"the CUDA driver library libcuda.so.1 could not be loaded: {e}") from e
+                raise DriverError(f"the CUDA driver library {path} could not be loaded: {e}") from e
             vp, pvp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
             lib.cuInit.argtypes = [ctypes.c_uint]
             lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
