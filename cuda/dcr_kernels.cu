@@ -61,6 +61,7 @@ typedef long long i64;
 #define DCR_APPLY_PER_THREAD 4
 #define DCR_FULL 0xffffffffu
 
+#define DCR_MAX_SPINS (1u << 26) /* look-back polls before giving up (~a minute) */
 #define DCR_FLAG_AGG (1ull << 62)
 #define DCR_FLAG_PREFIX (2ull << 62)
 #define DCR_VALUE_MASK ((1ull << 62) - 1ull)
@@ -171,13 +172,17 @@ static __device__ __forceinline__ void dcr_diff_tile(
     __shared__ u64 s_tile;
     __shared__ u64 s_excl;
     __shared__ u64 s_cnt0;
+    __shared__ u32 s_spins;
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
 
     if (PHASE == 2) {
         if (tid == 0) s_tile = atomicAdd(&workspace[0], 1ull); /* ticket: tiles in start order */
-        if (tid == 0) s_cnt0 = 0;
+        if (tid == 0) {
+            s_cnt0 = 0;
+            s_spins = 0;
+        }
         __syncthreads();
     } else {
         if (tid == 0) {
@@ -264,11 +269,14 @@ static __device__ __forceinline__ void dcr_diff_tile(
             if (lane == 0) dcr_st_volatile(&status[0], DCR_FLAG_PREFIX | agg);
         } else {
             if (lane == 0) dcr_st_volatile(&status[tile], DCR_FLAG_AGG | agg);
-            i64 pred = (i64)tile - 1 - lane;
+            int pred = (int)tile - 1 - lane; /* grids have < 2^31 blocks */
             while (true) {
                 u64 s;
                 do {
                     s = (pred >= 0) ? dcr_ld_volatile(&status[pred]) : DCR_FLAG_PREFIX;
+                    /* predecessors only need to finish their own reduction;
+                       waiting this long means a bug: fail loudly, don't hang */
+                    if (lane == 0 && ++s_spins > DCR_MAX_SPINS) __trap(); /* counter in smem: no register */
                 } while (__any_sync(DCR_FULL, (s >> 62) == 0));
                 const u32 pm = __ballot_sync(DCR_FULL, (s >> 62) == 2);
                 const int first = pm ? (__ffs(pm) - 1) : 31;

@@ -46,6 +46,10 @@ inline std::barrier<>* emu_block_bar;
 inline EmuWarp* emu_warps;
 
 inline void __syncthreads() { emu_block_bar->arrive_and_wait(); }
+[[noreturn]] inline void __trap() {
+    fprintf(stderr, "__trap() in block %u thread %u\n", blockIdx.x, threadIdx.x);
+    abort();
+}
 inline int __popc(unsigned int x) { return __builtin_popcount(x); }
 inline int __ffs(unsigned int x) { return __builtin_ffs((int)x); }
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
