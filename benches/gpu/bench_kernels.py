@@ -254,7 +254,7 @@ def main() -> int:
                 continue
             load = time.perf_counter() - t0
             regs = None
-            if not dry:
+            if props is not None:
                 try:
                     rep = dc.ptxas_report(f"{props.major}{props.minor}")
                     regs = rep.get(f"dcr_diff_onepass_w{w}", {}).get("registers")

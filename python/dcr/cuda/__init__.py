@@ -652,7 +652,10 @@ def sparse_diff(
                 raise ValueError(f"DCR_CUDA_DIFF_STRATEGY must be 'onepass' or 'twopass', got {strategy!r}")
         out = _cuda_sparse_diff(k, old_w, new_w, chunk_elems, update_baseline, with_new, strategy, capacity)
     counts, positions, values, new_values = out
-    return (counts, positions, values, new_values) if with_new else (counts, positions, values)
+    if with_new:
+        assert new_values is not None
+        return counts, positions, values, new_values
+    return counts, positions, values
 
 
 # ----------------------------------------------------------------- apply

@@ -38,7 +38,7 @@ def _cpu_sparse_diff(
     positions = (idx - chunk * chunk_elems).to(torch.int32)
     values = x[idx]
     new_values = new_w[idx] if (with_new or update_baseline) else None
-    if update_baseline and idx.numel():
+    if update_baseline and new_values is not None and idx.numel():
         old_w[idx] = new_values
     return counts, positions, values, (new_values if with_new else None)
 
