@@ -112,3 +112,16 @@ def test_cache_key_depends_on_source_and_arch() -> None:
     assert a != cache_key("80")
     assert a != cache_key("90", source=_nvrtc.kernel_source() + "\n// edited\n")
     assert a != cache_key("90", options=("-DDCR_VECS=2",))
+
+
+def test_prebuild_writes_what_the_loader_looks_for(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from dcr.cuda import prebuild, prebuilt_path
+
+    out = Path(str(tmp_path))
+    (written,) = prebuild(["sm_90"], out)
+    assert written.name == prebuilt_path("90").name
+    assert written.read_bytes()[:4] == b"\x7fELF"
+    assert "-sm_90-" in written.name
+    assert prebuilt_path("90").parent.name == "_prebuilt"

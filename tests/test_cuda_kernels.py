@@ -387,6 +387,16 @@ def test_gpu_loader_reports_origin_and_caches(monkeypatch: pytest.MonkeyPatch, t
     assert dc.load_kernels("cuda") == "nvrtc"
     monkeypatch.setattr(dc, "_loaded", {})
     assert dc.load_kernels("cuda") == "cache"
+    # a prebuilt CUBIN wins over the cache
+    from pathlib import Path
+
+    monkeypatch.setattr(dc, "PREBUILT_DIR", Path(str(tmp_path)) / "prebuilt")
+    major, minor = torch.cuda.get_device_capability()
+    dc.prebuild([f"{major}{minor}"])
+    monkeypatch.setattr(dc, "_loaded", {})
+    assert dc.load_kernels("cuda") == "prebuilt"
+    old, new = random_pair(torch.bfloat16, 100_000, 0.05, seed=12, device="cuda")
+    cuda_vs_reference(old, new, 4096, "onepass", True)
 
 
 @pytest.mark.gpu

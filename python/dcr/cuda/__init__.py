@@ -61,6 +61,7 @@ __all__ = [
     "NvrtcNotFound",
     "KERNEL_NAMES",
     "configure",
+    "prebuild",
     "kernel_source_path",
 ]
 
@@ -207,20 +208,55 @@ def _cache_dir() -> Path:
     return base / "cuda"
 
 
-def cache_key(arch: str, source: str | None = None, options: tuple[str, ...] | None = None) -> str:
-    """Hash of kernel source + arch + options + NVRTC version (if loadable)."""
+def cache_key(
+    arch: str, source: str | None = None, options: tuple[str, ...] | None = None, *, nvrtc: bool = True
+) -> str:
+    """Hash of kernel source + arch + options (+ the NVRTC version if loadable
+    and ``nvrtc``; prebuilt images are keyed without it, since they are
+    meant for machines whose NVRTC differs or is missing)."""
     src = kernel_source() if source is None else source
     if options is None:
         options = _compile_options(*_tuning())
-    try:
-        ver = "%d.%d" % _nvrtc.nvrtc_version()
-    except (NvrtcNotFound, NvrtcError):
-        ver = "none"
+    ver = "prebuilt"
+    if nvrtc:
+        try:
+            ver = "%d.%d" % _nvrtc.nvrtc_version()
+        except (NvrtcNotFound, NvrtcError):
+            ver = "none"
     h = hashlib.sha256()
     for part in (src, arch, " ".join(options), ver, "dcr-kernels-abi-1"):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
+
+
+PREBUILT_DIR = Path(__file__).resolve().parent / "_prebuilt"
+
+
+def prebuilt_path(arch: str, options: tuple[str, ...] | None = None, source: str | None = None) -> Path:
+    """Where a prebuilt CUBIN for sm_<arch> with these options is looked up."""
+    if options is None:
+        options = _compile_options(*_tuning())
+    return PREBUILT_DIR / _image_name(arch, cache_key(arch, source, options, nvrtc=False))
+
+
+def prebuild(archs: list[str] | tuple[str, ...] = ("80", "90"), out_dir: Path | None = None) -> list[Path]:
+    """Compile CUBINs for ``archs`` with the current tuning into ``out_dir``
+    (default: the package's _prebuilt/ folder, which the loader tries first).
+    NVRTC only, no GPU needed; for wheels built for known GPUs."""
+    options = _compile_options(*_tuning())
+    source = kernel_source()
+    written = []
+    for arch in archs:
+        num, _ = _nvrtc._normalise_arch(arch)
+        target = prebuilt_path(num, options, source)
+        if out_dir is not None:
+            target = Path(out_dir) / target.name
+        image = _nvrtc.compile_source(source, num, target="cubin", options=options)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _store_or_raise(target, image)
+        written.append(target)
+    return written
 
 
 def _image_name(arch: str, key: str) -> str:
@@ -314,7 +350,7 @@ def _load(device_index: int, vecs: int, min_blocks: int) -> _Loaded:
         source = kernel_source()
         key = cache_key(arch, source, options)
         name = _image_name(arch, key)
-        cands = [("prebuilt", Path(__file__).resolve().parent / "_prebuilt" / name), ("cache", _cache_dir() / name)]
+        cands = [("prebuilt", prebuilt_path(arch, options, source)), ("cache", _cache_dir() / name)]
         for origin, path in cands:
             if path.is_file():
                 try:
@@ -417,13 +453,22 @@ def _nvrtc_missing() -> NvrtcNotFound | None:
     return None
 
 
-def _store(path: Path, image: bytes) -> None:
+def _store_or_raise(path: Path, image: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".cubin")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".cubin")
         with os.fdopen(fd, "wb") as f:
             f.write(image)
         os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _store(path: Path, image: bytes) -> None:
+    try:
+        _store_or_raise(path, image)
     except OSError as e:  # a read-only home is not an error, just no cache
         log.debug("dcr.cuda: could not cache %s: %s", path, e)
 
