@@ -4,6 +4,7 @@
 #![deny(unsafe_code)]
 
 mod errors;
+mod transport;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -437,5 +438,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(find_changes, m)?)?;
     m.add_function(wrap_pyfunction!(apply_changes, m)?)?;
     m.add_function(wrap_pyfunction!(decode_delta, m)?)?;
+    m.add_function(wrap_pyfunction!(transport::publish_delta, m)?)?;
+    m.add_function(wrap_pyfunction!(transport::receive_delta, m)?)?;
+    m.add_function(wrap_pyfunction!(transport::relay_main, m)?)?;
     Ok(())
 }
