@@ -62,6 +62,7 @@ def diff_files(
     mode: str = "free",
     base_version: int = 0,
     target_version: int = 1,
+    dense: bool = False,
     threads: int | None = None,
     progress: Callable[[int, int], object] | None = None,
 ) -> dict[str, Any]: ...

@@ -47,6 +47,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         mode=args.mode,
         base_version=args.base_version,
         target_version=args.target_version,
+        dense=args.dense,
         threads=args.threads,
         progress=progress,
     )
@@ -216,6 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--level", type=int, default=1, help="zstd level of the payload streams (default 1)")
     d.add_argument("--base-version", type=int, default=0)
     d.add_argument("--target-version", type=int, default=1)
+    d.add_argument(
+        "--dense",
+        action="store_true",
+        help="a dense delta: all of NEW as overwrites, applicable to any target of the same layout "
+        "(bootstraps a new receiver through the same transport; OLD only gives the layout)",
+    )
     d.set_defaults(func=cmd_diff)
 
     a = sub.add_parser("apply", help="apply DELTA in place to TARGET (a safetensors file)")

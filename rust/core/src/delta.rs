@@ -21,7 +21,14 @@ pub struct DiffOptions {
     pub mode: Mode,
     pub base_version: u64,
     pub target_version: u64,
+    /// A dense delta: every element of the target as raw overwrites, with
+    /// the all-zero base digest, so it applies to any target of the same
+    /// layout (bootstrapping a receiver; the full-checkpoint reference).
+    pub dense: bool,
 }
+
+/// The base digest of a dense delta: "any base of this layout".
+pub const ANY_BASE: Digest = [0u8; 16];
 
 impl Default for DiffOptions {
     fn default() -> Self {
@@ -32,6 +39,7 @@ impl Default for DiffOptions {
             mode: Mode::Free,
             base_version: 0,
             target_version: 1,
+            dense: false,
         }
     }
 }
@@ -101,7 +109,7 @@ pub fn diff(
     layout.check_buffers(old.iter().map(|b| b.len()))?;
     layout.check_buffers(new.iter().map(|b| b.len()))?;
     let (old_d, new_d) = rayon::join(|| tensor_digests(old), || tensor_digests(new));
-    let base_digest = layout.checkpoint_digest(&old_d);
+    let base_digest = if opts.dense { ANY_BASE } else { layout.checkpoint_digest(&old_d) };
     let target_digest = layout.checkpoint_digest(&new_d);
     let delta_id = DeltaHeader::compute_id(
         &base_digest,
@@ -109,7 +117,7 @@ pub fn diff(
         opts.base_version,
         opts.target_version,
         opts.chunk_bytes,
-        &[opts.kind as u8, opts.mode as u8],
+        &[opts.kind as u8, opts.mode as u8, opts.dense as u8],
     );
     let header = DeltaHeader {
         delta_id,
@@ -153,6 +161,14 @@ pub fn diff(
             .map(|u| {
                 let w = layout.tensors()[u.tensor].dtype.word_bytes();
                 let range = (u.start as usize * w)..((u.start + u.len) as usize * w);
+                if opts.dense {
+                    return Ok(Some(codec::EncodedChunk {
+                        encoding: codec::Encoding::Raw,
+                        mode: Mode::Free,
+                        n_changed: u.len as u32,
+                        payload: new[u.tensor][range].to_vec(),
+                    }));
+                }
                 let model = (opts.mode == Mode::Context)
                     .then(|| codec::context::ContextModel::for_dtype(layout.tensors()[u.tensor].dtype));
                 codec::encode_chunk_with_context(&old[u.tensor][range.clone()], &new[u.tensor][range], w, enc, model.as_ref())
@@ -168,7 +184,7 @@ pub fn diff(
                 tensor: u.tensor as u32,
                 start: u.start,
                 len: u.len as u32,
-                kind: opts.kind,
+                kind: if opts.dense { ChangeKind::Overwrite } else { opts.kind },
                 encoding: chunk.encoding,
                 mode: chunk.mode,
                 n_changed: chunk.n_changed,
@@ -314,7 +330,7 @@ pub fn check_base(header: &DeltaHeader, layout: &Layout, digests: &[Digest]) -> 
     if found == header.target_digest {
         return Ok(true);
     }
-    if found != header.base_digest {
+    if found != header.base_digest && header.base_digest != ANY_BASE {
         return Err(Error::BaseMismatch {
             base_version: header.base_version,
             target_version: header.target_version,
