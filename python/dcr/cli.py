@@ -163,18 +163,26 @@ def cmd_receive(args: argparse.Namespace) -> int:
     parents = [p for p in args.source.split(",") if p]
     if not all(_is_relay_address(p) for p in parents):
         raise ValueError(f"--from {args.source}: object-storage URLs are not supported by this build; pass relay HOST:PORT[,HOST:PORT...]")
-    t0 = time.perf_counter()
-    result = dcr._core.receive_delta(
-        args.target,
-        parents,
-        key_file=args.key_file,
-        receiver_id=args.receiver_id,
-        from_version=args.from_version,
-        timeout_s=args.timeout,
-    )
-    result["seconds"] = time.perf_counter() - t0
+    from_version = args.from_version
+    for _ in range(max(args.follow, 1)):
+        t0 = time.perf_counter()
+        result = dcr._core.receive_delta(
+            args.target,
+            parents,
+            key_file=args.key_file,
+            receiver_id=args.receiver_id,
+            from_version=from_version,
+            timeout_s=args.timeout,
+        )
+        result["seconds"] = time.perf_counter() - t0
+        from_version = result["version"] + 1
+        _report_receive(args, result)
+    return 0
+
+
+def _report_receive(args: argparse.Namespace, result: dict[str, Any]) -> None:
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(result), flush=True)
     elif not args.quiet:
         if result["outcome"] == "already_at_target":
             print(f"{args.target} already holds v{result['version']}; committed")
@@ -182,9 +190,9 @@ def cmd_receive(args: argparse.Namespace) -> int:
             print(
                 f"{args.target}: v{result['version']} applied from {result['parent']} ({result['chunks']} chunks, "
                 f"{result['changed_elements']:,} elements, {result['failovers']} failovers) in {result['seconds']:.2f} s; "
-                "digests verified, committed"
+                "digests verified, committed",
+                flush=True,
             )
-    return 0
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
@@ -194,6 +202,12 @@ def cmd_relay(args: argparse.Namespace) -> int:
 def relay_entry() -> None:
     """The `dcr-relay` command installed with the package (same as the standalone binary)."""
     sys.exit(int(dcr._core.relay_main(["dcr-relay", *sys.argv[1:]])))
+
+
+def cmd_bench_refit(args: argparse.Namespace) -> int:
+    from dcr import benchrefit
+
+    return benchrefit.run(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -257,11 +271,19 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--receiver-id", default=None)
     rc.add_argument("--from-version", type=int, default=0, help="receive the first version >= this")
     rc.add_argument("--timeout", type=float, default=600.0)
+    rc.add_argument("--follow", type=int, default=1, metavar="N", help="receive N successive versions, then exit")
     rc.set_defaults(func=cmd_receive)
 
     rl = sub.add_parser("relay", help="run a relay node (same as the dcr-relay command)", add_help=False)
     rl.add_argument("relay_args", nargs=argparse.REMAINDER)
     rl.set_defaults(func=cmd_relay)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    br = bench.add_parser("refit", help="delta vs dense refit over bandwidth-limited loopback relay links")
+    from dcr import benchrefit
+
+    benchrefit.add_arguments(br)
+    br.set_defaults(func=cmd_bench_refit)
 
     m = sub.add_parser("demo", help="train a small model and refit replicas with deltas, verifying every bit")
     m.add_argument("--out", type=Path, default=None, help="report folder (default: a fresh folder it names)")
