@@ -278,21 +278,26 @@ def time_dcr(dcr, old_path: Path, new_path: Path, work: Path, m: int, repeats: i
     }
 
 
-def time_dcr_mem(dcr, inp, m: int, repeats: int) -> dict:
+def time_dcr_mem(dcr, inp, m: int, repeats: int, mode: str = "free") -> dict:
     """dcr.diff_tensors / dcr.apply_tensors on in-memory arrays, one thread:
     timed like baselines a-c (no file I/O, no fsync)."""
-    old_t = {t.name: inp.old.words[t.start:t.start + t.count] for t in inp.old.tensors}
-    new_t = {t.name: inp.new_words[t.start:t.start + t.count] for t in inp.old.tensors}
-    t_enc, (delta, stats) = best_of(lambda: dcr.diff_tensors(old_t, new_t, threads=1), repeats)
+    import torch  # bf16 tensors, so that dcr sees the dtype (context mode keys on bf16 exponents)
+
+    def bf16(words):
+        return torch.from_numpy(np.array(words, copy=True).view(np.int16)).view(torch.bfloat16)
+
+    old_t = {t.name: bf16(inp.old.words[t.start:t.start + t.count]) for t in inp.old.tensors}
+    new_t = {t.name: bf16(inp.new_words[t.start:t.start + t.count]) for t in inp.old.tensors}
+    t_enc, (delta, stats) = best_of(lambda: dcr.diff_tensors(old_t, new_t, threads=1, mode=mode), repeats)
     work = {}
 
     def fresh():
         work.clear()
-        work.update({k: v.copy() for k, v in old_t.items()})
+        work.update({k: v.clone() for k, v in old_t.items()})
 
     def verify(_):
         for k, v in new_t.items():
-            if not np.array_equal(work[k], v):
+            if not torch.equal(work[k].view(torch.int16), v.view(torch.int16)):
                 raise AssertionError(f"dcr.apply_tensors: tensor {k} differs from NEW: dcr is not bit-exact here")
 
     t_dec, _ = best_of(lambda: dcr.apply_tensors(delta, work, threads=1), repeats, setup=fresh, check=verify)
@@ -388,6 +393,8 @@ def run_input(inp: Input, kinds: np.ndarray, dcr, repeats: int, work: Path) -> d
             time_dcr(dcr, inp.old_path, inp.new_path, work, m, repeats))
         d = row("g_dcr_free_t1", "g. dcr diff/apply in memory (free, 1 thr)",
                 time_dcr_mem(dcr, inp, m, repeats))
+        row("h_dcr_context_t1", "h. dcr diff/apply in memory (context, 1 thr)",
+            time_dcr_mem(dcr, inp, m, repeats, mode="context"))
         ratios = {
             "encode_vs_zstd1_compress": d["encode_mb_s"] / ref["encode_mb_s"],
             "apply_vs_zstd1_decompress": d["decode_mb_s"] / ref["decode_mb_s"],
@@ -400,6 +407,8 @@ def run_input(inp: Input, kinds: np.ndarray, dcr, repeats: int, work: Path) -> d
     iid_total = b["iid_bits"] / 8
     for r in rows:
         r["ratio_to_iid"] = r["payload_bytes"] / iid_total if iid_total else None
+        side_total = b["side_info_bits"] / 8
+        r["ratio_to_side_info"] = r["payload_bytes"] / side_total if side_total else None
 
     return {
         "id": inp.id,
@@ -464,6 +473,7 @@ SUMMARY_COLS = [  # (method key, short header)
     ("d_zstd_cli_patch_from_long3", "d patch"),
     ("g_dcr_free_t1", "g dcr mem"),
     ("g_dcr_files_t1", "g dcr files"),
+    ("h_dcr_context_t1", "h dcr ctx"),
 ]
 
 

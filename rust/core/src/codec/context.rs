@@ -19,7 +19,7 @@
 
 use super::range::{RangeDecoder, RangeEncoder, PROB_INIT};
 use super::streams::{get_varint, put_stream, put_varint, StreamReader};
-use super::{ChangeKind, SparseChanges};
+use super::{ChangeKind, SparseChanges, Word};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use safetensors::Dtype;
@@ -266,17 +266,19 @@ fn rice_cost(gaps: &[u32], k: u32) -> u64 {
 const MODE_RICE: u8 = 0;
 const MODE_FLAGS: u8 = 1;
 
-#[inline(always)]
-fn load(bytes: &[u8], i: usize, width: usize) -> u64 {
-    let mut w = [0u8; 8];
-    w[..width].copy_from_slice(&bytes[i * width..(i + 1) * width]);
-    u64::from_le_bytes(w)
-}
-
 /// Encode `changes` (positions ascending, relative to the chunk) of a chunk
 /// whose base bytes are `old` and new bytes `new`.
 pub fn encode(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextModel, level: i32) -> Vec<u8> {
-    let w = model.width;
+    match model.width {
+        1 => encode_words::<u8>(old, new, changes, model, level),
+        2 => encode_words::<u16>(old, new, changes, model, level),
+        4 => encode_words::<u32>(old, new, changes, model, level),
+        _ => encode_words::<u64>(old, new, changes, model, level),
+    }
+}
+
+fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextModel, level: i32) -> Vec<u8> {
+    let w = T::BYTES;
     let n = old.len() / w;
     let nctx = model.contexts();
     let mut seen = vec![0u32; nctx]; // elements of each context so far
@@ -293,18 +295,18 @@ pub fn encode(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextMo
     loop {
         let stop = positions.get(ptr).map_or(n, |&p| p as usize);
         // Count the unchanged elements before the next change.
-        for i in run_start..stop {
-            seen[model.context(load(old, i, w))] += 1;
+        for word in old[run_start * w..stop * w].chunks_exact(w) {
+            seen[model.context(T::load(word))] += 1;
         }
         if stop == n {
             break;
         }
-        let o = load(old, stop, w);
+        let o = T::load(&old[stop * w..(stop + 1) * w]);
         let c = model.context(o);
         gaps[c].push(seen[c] - next_free[c]);
         seen[c] += 1;
         next_free[c] = seen[c];
-        steps.encode(&mut rc, c, model.sign(o), model.step(o, load(new, stop, w)));
+        steps.encode(&mut rc, c, model.sign(o), model.step(o, T::load(&new[stop * w..(stop + 1) * w])));
         ptr += 1;
         run_start = stop + 1;
     }
@@ -365,12 +367,6 @@ pub fn encode(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextMo
     out
 }
 
-enum CtxState<'a> {
-    Absent,
-    Rice { reader: BitReader<'a>, k: u32, remaining: u64, countdown: u64 },
-    Flags { reader: BitReader<'a>, remaining: u64 },
-}
-
 /// Decode a context-coded payload against the chunk's base bytes `old`.
 /// Returns the changes as XOR masks or new words (by `kind`).
 pub fn decode(
@@ -381,7 +377,26 @@ pub fn decode(
     kind: ChangeKind,
     context: &str,
 ) -> Result<SparseChanges> {
-    let w = model.width;
+    match model.width {
+        1 => decode_words::<u8>(payload, old, model, n_changed, kind, context),
+        2 => decode_words::<u16>(payload, old, model, n_changed, kind, context),
+        4 => decode_words::<u32>(payload, old, model, n_changed, kind, context),
+        _ => decode_words::<u64>(payload, old, model, n_changed, kind, context),
+    }
+}
+
+/// A context that has no (more) changes never counts down to zero.
+const NEVER: u64 = u64::MAX;
+
+fn decode_words<T: Word>(
+    payload: &[u8],
+    old: &[u8],
+    model: &ContextModel,
+    n_changed: u32,
+    kind: ChangeKind,
+    context: &str,
+) -> Result<SparseChanges> {
+    let w = T::BYTES;
     let n = old.len() / w;
     let m = n_changed as usize;
     let bad = |detail: &str| Error::corrupt(context, detail.to_string());
@@ -397,7 +412,13 @@ pub fn decode(
     let values = r.next("ulp steps", 5, m * 24 + 5)?;
     r.finish()?;
 
-    let mut states: Vec<CtxState<'_>> = (0..nctx).map(|_| CtxState::Absent).collect();
+    // Per context: elements to skip before its next change (NEVER when it
+    // has none left), its bit reader, Rice parameter, flag mode, changes left.
+    let mut countdown = vec![NEVER; nctx];
+    let mut readers: Vec<Option<BitReader<'_>>> = (0..nctx).map(|_| None).collect();
+    let mut rice_k = vec![0u32; nctx];
+    let mut flags = vec![false; nctx];
+    let mut remaining = vec![0u64; nctx];
     let (mut tpos, mut bpos, mut ctx, mut total) = (0usize, 0usize, 0usize, 0u64);
     for i in 0..listed {
         let delta = get_varint(&table, &mut tpos, 10).ok_or_else(|| bad("context table truncated"))? as usize;
@@ -410,18 +431,23 @@ pub fn decode(
         let end = bpos.checked_add(len).filter(|&e| e <= body.len()).ok_or_else(|| bad("position stream overruns"))?;
         let mut reader = BitReader::new(&body[bpos..end]);
         bpos = end;
-        if m_c == 0 || k > 31 {
+        if m_c == 0 || m_c > m as u64 || k > 31 {
             return Err(bad("bad context entry"));
         }
         total += m_c;
-        states[ctx] = match mode {
+        remaining[ctx] = m_c;
+        match mode {
             MODE_RICE => {
-                let countdown = get_rice(&mut reader, k).ok_or_else(|| bad("position stream ends early"))?;
-                CtxState::Rice { reader, k, remaining: m_c, countdown }
+                countdown[ctx] = get_rice(&mut reader, k).ok_or_else(|| bad("position stream ends early"))?;
+                rice_k[ctx] = k;
             }
-            MODE_FLAGS => CtxState::Flags { reader, remaining: m_c },
+            MODE_FLAGS => {
+                countdown[ctx] = 0;
+                flags[ctx] = true;
+            }
             code => return Err(Error::UnknownCode { what: "context position mode", code, context: context.into() }),
-        };
+        }
+        readers[ctx] = Some(reader);
     }
     if tpos != table.len() || bpos != body.len() || total != m as u64 {
         return Err(bad("context table does not match the chunk's change count"));
@@ -429,56 +455,46 @@ pub fn decode(
     let mut out = SparseChanges { positions: Vec::with_capacity(m), values: Vec::with_capacity(m) };
     let mut steps = StepModel::new(nctx);
     let mut rc = RangeDecoder::new(&values).ok_or_else(|| bad("ulp step stream too short"))?;
-    for i in 0..n {
-        let o = load(old, i, w);
-        let changed = match &mut states[model.context(o)] {
-            CtxState::Absent => false,
-            CtxState::Rice { reader, k, remaining, countdown } => {
-                if *remaining == 0 {
-                    false
-                } else if *countdown > 0 {
-                    *countdown -= 1;
-                    false
-                } else {
-                    *remaining -= 1;
-                    if *remaining > 0 {
-                        *countdown = get_rice(reader, *k).ok_or_else(|| bad("position stream ends early"))?;
-                    }
-                    true
-                }
-            }
-            CtxState::Flags { reader, remaining } => {
-                if *remaining == 0 {
-                    false
-                } else {
-                    let f = reader.get(1).ok_or_else(|| bad("flag stream ends early"))? == 1;
-                    *remaining -= u64::from(f);
-                    f
-                }
-            }
-        };
-        if changed {
-            let c = model.context(o);
-            let step = steps.decode(&mut rc, c, model.sign(o)).ok_or_else(|| bad("bad ulp step"))?;
-            if rc.overrun() {
-                return Err(bad("ulp step stream ends early"));
-            }
-            let new = model.apply_step(o, step);
-            if new == o {
-                return Err(bad("a listed change does not change its element"));
-            }
-            out.positions.push(i as u32);
-            out.values.push(match kind {
-                ChangeKind::Xor => o ^ new,
-                ChangeKind::Overwrite => new,
-            });
+    for (i, word) in old.chunks_exact(w).enumerate() {
+        let o = T::load(word);
+        let c = model.context(o);
+        let cd = countdown[c];
+        if cd != 0 {
+            countdown[c] = cd - 1; // NEVER stays out of reach: n < 2^32
+            continue;
         }
+        let reader = readers[c].as_mut().ok_or_else(|| bad("change in an unlisted context"))?;
+        if flags[c] {
+            if reader.get(1).ok_or_else(|| bad("flag stream ends early"))? == 0 {
+                continue;
+            }
+            remaining[c] -= 1;
+            if remaining[c] == 0 {
+                countdown[c] = NEVER;
+            }
+        } else {
+            remaining[c] -= 1;
+            countdown[c] = if remaining[c] > 0 {
+                get_rice(reader, rice_k[c]).ok_or_else(|| bad("position stream ends early"))?
+            } else {
+                NEVER
+            };
+        }
+        let step = steps.decode(&mut rc, c, model.sign(o)).ok_or_else(|| bad("bad ulp step"))?;
+        if rc.overrun() {
+            return Err(bad("ulp step stream ends early"));
+        }
+        let new = model.apply_step(o, step);
+        if new == o {
+            return Err(bad("a listed change does not change its element"));
+        }
+        out.positions.push(i as u32);
+        out.values.push(match kind {
+            ChangeKind::Xor => o ^ new,
+            ChangeKind::Overwrite => new,
+        });
     }
-    let leftover = states.iter().any(|s| match s {
-        CtxState::Absent => false,
-        CtxState::Rice { remaining, .. } | CtxState::Flags { remaining, .. } => *remaining > 0,
-    });
-    if leftover || out.positions.len() != m {
+    if remaining.iter().any(|&r| r > 0) || out.positions.len() != m {
         return Err(bad("positions or steps left over after the last element"));
     }
     Ok(out)

@@ -149,7 +149,7 @@ fn check_width(width: usize) -> Result<()> {
 }
 
 /// A little-endian word of the codec (the element width).
-trait Word {
+pub(crate) trait Word {
     const BYTES: usize;
     fn load(b: &[u8]) -> u64;
 }
