@@ -175,6 +175,7 @@ def cmd_receive(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
         )
         result["seconds"] = time.perf_counter() - t0
+        result["finished_at"] = time.time()
         from_version = result["version"] + 1
         _report_receive(args, result)
     return 0
@@ -291,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--regime", choices=["fp32master", "bf16"], default="fp32master")
     m.add_argument("--receivers", type=int, default=3)
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--fanout", type=int, default=2, help="relays under the root (0: receivers attach to the root)")
+    m.add_argument("--link-mib-s", type=float, default=None, help="limit every relay child link (MiB/s)")
+    m.add_argument("--mode", choices=["free", "context"], default="context", help="codec mode of the deltas")
     m.set_defaults(func=cmd_demo)
 
     for sp in (d, a, v, i, m, pb, rc):

@@ -92,15 +92,59 @@ def _plots(out: Path, rows: list[dict[str, Any]]) -> list[str]:
     fig.tight_layout()
     fig.savefig(out / "change_and_payload.png", dpi=110)
     plt.close(fig)
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    for r in rows:
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    n_steps = len(rows)
+    for k, r in enumerate(rows):
         for i, (t0, t1) in enumerate(r["receiver_spans"]):
-            ax.barh(i, t1 - t0, left=t0, color=f"C{r['step'] % 10}", edgecolor="k", linewidth=0.3)
-    ax.set(xlabel="seconds since the first refit started", ylabel="receiver", title="Refit timeline per receiver (colour = step)")
+            y = i + (k - (n_steps - 1) / 2) * 0.8 / max(n_steps, 1)
+            ax.barh(y, 1000 * (t1 - t0), left=0, height=0.8 / max(n_steps, 1), color=f"C{k % 10}",
+                    label=f"step {r['step']}" if i == 0 else None)
+    n_recv = len(rows[0]["receiver_spans"]) if rows else 0
+    ax.set_yticks(range(n_recv), [f"receiver {i}" for i in range(n_recv)])
+    ax.set(xlabel="milliseconds from the start of the publish to the receiver's commit",
+           title="Refit timeline per receiver and step")
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(out / "refit_timeline.png", dpi=110)
     plt.close(fig)
     return ["change_and_payload.png", "refit_timeline.png"]
+
+
+class _Proc:
+    """A child process whose stdout is read line by line; stderr goes to a log."""
+
+    def __init__(self, argv: list[str], log: Path) -> None:
+        import subprocess
+
+        self.log = open(log, "w")
+        self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.log, text=True)
+
+    def line(self) -> str:
+        assert self.p.stdout is not None
+        return self.p.stdout.readline()
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        if self.p.stdout:
+            self.p.stdout.close()
+        self.log.close()
+
+
+def _wait_log(path: Path, needle: str, count: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.read_text().count(needle) >= count:
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"{path}: {needle!r} not seen {count} times in {timeout} s")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,6 +153,9 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("dcr demo needs torch: pip install 'dcr[torch]'")
         return 2
+    import os
+    import sys
+
     out = args.out or Path(tempfile.mkdtemp(prefix="dcr-demo-"))
     out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
@@ -135,50 +182,95 @@ def run(args: argparse.Namespace) -> int:
         step()
     base = work / "v0.safetensors"
     _export(torch, model, base, args.regime)
-    replicas = [work / f"receiver{r}.safetensors" for r in range(args.receivers)]
-    for r in replicas:
-        shutil.copyfile(base, r)
     full = base.stat().st_size
-    print(f"dcr demo: {sum(p.numel() for p in model.parameters()):,} parameters, checkpoint {full / 2**20:.1f} MiB, "
-          f"{args.receivers} receivers, regime {args.regime}, report in {out}")
-    print(f"{'step':>4}  {'loss':>7}  {'changed %':>9}  {'payload':>10}  {'B/changed':>9}  {'vs full':>8}  {'encode s':>8}  {'refit s':>8}  verified")
+
+    # The relay tree and the receivers: separate processes on loopback.
+    cli = [sys.executable, "-m", "dcr.cli"]
+    key = work / "tree.key"
+    key.write_bytes(os.urandom(32))
+    limit = ["--rate-limit", str(int(args.link_mib_s * (1 << 20)))] if args.link_mib_s else []
+    procs: list[_Proc] = []
     rows: list[dict[str, Any]] = []
-    prev = base
-    t_start = time.perf_counter()
-    for s in range(1, args.steps + 1):
-        loss = step()
-        new = work / f"v{s}.safetensors"
-        _export(torch, model, new, args.regime)
-        delta = work / f"v{s - 1}-v{s}.dcr"
-        t0 = time.perf_counter()
-        stats = dcr.diff_files(prev, new, delta, base_version=s - 1, target_version=s, threads=args.threads)
-        t_enc = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        spans = []
-        for r in replicas:
-            a = time.perf_counter()
-            dcr.apply_file(delta, r, threads=args.threads)
-            spans.append((a - t_start, time.perf_counter() - t_start))
-        t_refit = time.perf_counter() - t0
-        ok = all(not dcr.compare_files(r, new) for r in replicas)
-        rows.append({
-            "step": s, "loss": loss, "change_rate": stats["change_rate"], "payload_bytes": stats["payload_bytes"],
-            "bytes_per_changed": stats["bytes_per_changed"], "checkpoint_bytes": full, "encode_s": t_enc,
-            "refit_s": t_refit, "verified": ok, "kind_rates": _kind_rates(stats), "receiver_spans": spans,
-        })
-        print(f"{s:>4}  {loss:>7.4f}  {100 * stats['change_rate']:>9.3f}  {stats['payload_bytes']:>10,}  "
-              f"{stats['bytes_per_changed']:>9.3f}  {full / stats['payload_bytes']:>7.1f}x  {t_enc:>8.3f}  {t_refit:>8.3f}  "
-              f"{'yes' if ok else 'NO'}")
-        if not ok:
-            print("dcr demo: a receiver differs from the dense export")
-            return 1
-        prev.unlink() if prev != base else None
-        prev = new
+    try:
+        root = _Proc([*cli, "relay", "--listen", "127.0.0.1:0", "--key-file", str(key), *limit], work / "relay-root.log")
+        procs.append(root)
+        root_addr = root.line().split()[1]
+        leaves = [(work / "relay-root.log", root_addr)]
+        for i in range(args.fanout):
+            log = work / f"relay-{i}.log"
+            r = _Proc([*cli, "relay", "--listen", "127.0.0.1:0", "--parent", root_addr, "--key-file", str(key), *limit], log)
+            procs.append(r)
+            leaves.append((log, r.line().split()[1]))
+        if args.fanout:
+            leaves = leaves[1:]
+        replicas = [work / f"receiver{r}.safetensors" for r in range(args.receivers)]
+        receivers = []
+        per_leaf: dict[Path, int] = {}
+        for r, path in enumerate(replicas):
+            shutil.copyfile(base, path)
+            log, addr = leaves[r % len(leaves)]
+            per_leaf[log] = per_leaf.get(log, 0) + 1
+            p = _Proc([*cli, "receive", str(path), "--from", f"{addr},{root_addr}", "--key-file", str(key),
+                       "--receiver-id", f"receiver{r}", "--follow", str(args.steps), "--json"], work / f"receiver{r}.log")
+            procs.append(p)
+            receivers.append(p)
+        for log, count in per_leaf.items():
+            _wait_log(log, "role=Subscriber", count)
+        tree = f"a root relay and {args.fanout} relays under it" if args.fanout else "one relay"
+        print(f"dcr demo: a {sum(p.numel() for p in model.parameters()):,}-parameter transformer trained on the CPU "
+              f"({args.regime}), checkpoint {full / 2**20:.1f} MiB; {args.receivers} receiver processes behind {tree}; "
+              f"report in {out}")
+        print(f"{'step':>4}  {'loss':>7}  {'changed %':>9}  {'payload':>10}  {'B/changed':>9}  {'vs full':>8}  "
+              f"{'encode s':>8}  {'refit s':>8}  verified")
+        prev = base
+        t_start = time.time()
+        for s in range(1, args.steps + 1):
+            loss = step()
+            new = work / f"v{s}.safetensors"
+            _export(torch, model, new, args.regime)
+            delta = work / f"v{s - 1}-v{s}.dcr"
+            t0 = time.perf_counter()
+            stats = dcr.diff_files(prev, new, delta, mode=args.mode, base_version=s - 1, target_version=s,
+                                   threads=args.threads)
+            t_enc = time.perf_counter() - t0
+            t_pub = time.time()
+            t0 = time.perf_counter()
+            report = dcr._core.publish_delta(delta, root_addr, key_file=str(key), expect_acks=args.receivers,
+                                             ack_timeout_s=300.0)
+            t_refit = time.perf_counter() - t0
+            want = dcr.file_digest(new)
+            spans = []
+            for p in receivers:
+                line = json.loads(p.line())
+                spans.append((t_pub - t_start, line["finished_at"] - t_start))
+            ok = (report["all_committed"] and all(d == want for _, d in report["committed"])
+                  and all(not dcr.compare_files(r, new) for r in replicas))
+            rows.append({
+                "step": s, "loss": loss, "change_rate": stats["change_rate"], "payload_bytes": stats["payload_bytes"],
+                "bytes_per_changed": stats["bytes_per_changed"], "checkpoint_bytes": full, "encode_s": t_enc,
+                "refit_s": t_refit, "verified": ok, "kind_rates": _kind_rates(stats), "receiver_spans": spans,
+                "acks": report["committed"],
+            })
+            print(f"{s:>4}  {loss:>7.4f}  {100 * stats['change_rate']:>9.3f}  {stats['payload_bytes']:>10,}  "
+                  f"{stats['bytes_per_changed']:>9.3f}  {full / stats['payload_bytes']:>7.1f}x  {t_enc:>8.3f}  "
+                  f"{t_refit:>8.3f}  {'yes' if ok else 'NO'}", flush=True)
+            if not ok:
+                print(f"dcr demo: step {s}: a receiver differs from the dense export: {report}")
+                return 1
+            if prev != base:
+                prev.unlink()
+            prev = new
+    finally:
+        for p in procs:
+            p.stop()
     total_payload = sum(r["payload_bytes"] for r in rows)
-    summary = {"steps": rows, "receivers": args.receivers, "regime": args.regime, "checkpoint_bytes": full,
-               "payload_bytes_total": total_payload, "full_bytes_total": full * len(rows), "all_verified": True}
+    summary = {"steps": rows, "receivers": args.receivers, "fanout": args.fanout, "regime": args.regime,
+               "mode": args.mode, "checkpoint_bytes": full, "payload_bytes_total": total_payload,
+               "full_bytes_total": full * len(rows), "all_verified": True}
     summary["plots"] = _plots(out, rows)
     (out / "report.json").write_text(json.dumps(summary, indent=2))
-    print(f"all {args.receivers} receivers bit-exact after {len(rows)} steps; sent {total_payload / 2**20:.2f} MiB "
-          f"instead of {full * len(rows) / 2**20:.1f} MiB ({full * len(rows) / total_payload:.1f}x less); report {out / 'report.json'}")
+    print(f"all {args.receivers} receivers bit-exact against the dense export after each of {len(rows)} steps; "
+          f"sent {total_payload / 2**20:.2f} MiB instead of {full * len(rows) / 2**20:.1f} MiB "
+          f"({full * len(rows) / total_payload:.1f}x less)")
+    print(f"report: {out / 'report.json'}" + "".join(f", {out / p}" for p in summary["plots"]))
     return 0
