@@ -211,6 +211,12 @@ def cmd_bench_refit(args: argparse.Namespace) -> int:
     return benchrefit.run(args)
 
 
+def cmd_project(args: argparse.Namespace) -> int:
+    from dcr import projection
+
+    return projection.run(args)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from dcr import demo
 
@@ -285,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     benchrefit.add_arguments(br)
     br.set_defaults(func=cmd_bench_refit)
+
+    pj = sub.add_parser("project", help="project refit time to 30B-1T models from the rates measured here")
+    from dcr import projection
+
+    projection.add_arguments(pj)
+    pj.set_defaults(func=cmd_project)
 
     m = sub.add_parser("demo", help="train a small model and refit replicas with deltas, verifying every bit")
     m.add_argument("--out", type=Path, default=None, help="report folder (default: a fresh folder it names)")
