@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 
 import dcr
+from dcr._procs import Proc
 from dcr._st import f32_to_bf16_bits, save_raw
 
 CLI = [sys.executable, "-m", "dcr.cli"]
@@ -55,42 +55,6 @@ def make_versions(work: Path, mib: float, seed: int) -> tuple[list[Path], int]:
         save_raw(p, {k: ("BF16", [w.size], w) for k, w in cur.items()})
         paths.append(p)
     return paths, n_tensors * (1 << 21)
-
-
-class Proc:
-    def __init__(self, argv: list[str], log: Path) -> None:
-        self.log = open(log, "w+")
-        self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.log, text=True)
-
-    def listening(self) -> str:
-        assert self.p.stdout is not None
-        line = self.p.stdout.readline()
-        if not line.startswith("LISTENING "):
-            raise RuntimeError(f"relay did not start: {line!r}; see {self.log.name}")
-        return line.split()[1]
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.terminate()
-            try:
-                self.p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-        if self.p.stdout:
-            self.p.stdout.close()
-        self.log.close()
-
-
-def wait_log(proc: Proc, needle: str, count: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        proc.log.flush()
-        proc.log.seek(0)
-        if proc.log.read().count(needle) >= count:
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"{proc.log.name}: {needle!r} not seen {count} times in {timeout} s")
 
 
 def run_topology(work: Path, versions: list[Path], deltas: list[Path], dense: Path | None, topology: str,
@@ -122,7 +86,7 @@ def run_topology(work: Path, versions: list[Path], deltas: list[Path], dense: Pa
                               "--key-file", str(key), "--receiver-id", f"r{i}", "--follow", str(n_versions),
                               "--json", "--timeout", "600"], work / f"{topology}{receivers}-r{i}.log"))
         for leaf, count in per_leaf.items():
-            wait_log(leaves[leaf][0], "role=Subscriber", count)
+            leaves[leaf][0].wait_log("role=Subscriber", count)
         plan = [(f"delta {int(100 * r)}%", d, versions[i + 1]) for i, (r, d) in enumerate(zip(RATES, deltas))]
         if dense:
             plan.append(("dense", dense, versions[-1]))

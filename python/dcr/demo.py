@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import dcr
+from dcr._procs import Proc
 
 
 def _model(torch: Any, vocab: int, hidden: int, layers: int, seed: int) -> Any:
@@ -110,43 +111,6 @@ def _plots(out: Path, rows: list[dict[str, Any]]) -> list[str]:
     return ["change_and_payload.png", "refit_timeline.png"]
 
 
-class _Proc:
-    """A child process whose stdout is read line by line; stderr goes to a log."""
-
-    def __init__(self, argv: list[str], log: Path) -> None:
-        import subprocess
-
-        self.log = open(log, "w")
-        self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.log, text=True)
-
-    def line(self) -> str:
-        assert self.p.stdout is not None
-        return self.p.stdout.readline()
-
-    def stop(self) -> None:
-        import subprocess
-
-        if self.p.poll() is None:
-            self.p.terminate()
-            try:
-                self.p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-        if self.p.stdout:
-            self.p.stdout.close()
-        self.log.close()
-
-
-def _wait_log(path: Path, needle: str, count: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.read_text().count(needle) >= count:
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"{path}: {needle!r} not seen {count} times in {timeout} s")
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         import torch
@@ -189,33 +153,33 @@ def run(args: argparse.Namespace) -> int:
     key = work / "tree.key"
     key.write_bytes(os.urandom(32))
     limit = ["--rate-limit", str(int(args.link_mib_s * (1 << 20)))] if args.link_mib_s else []
-    procs: list[_Proc] = []
+    procs: list[Proc] = []
     rows: list[dict[str, Any]] = []
     try:
-        root = _Proc([*cli, "relay", "--listen", "127.0.0.1:0", "--key-file", str(key), *limit], work / "relay-root.log")
+        root = Proc([*cli, "relay", "--listen", "127.0.0.1:0", "--key-file", str(key), *limit], work / "relay-root.log")
         procs.append(root)
-        root_addr = root.line().split()[1]
-        leaves = [(work / "relay-root.log", root_addr)]
+        root_addr = root.listening()
+        leaves = [(root, root_addr)]
         for i in range(args.fanout):
-            log = work / f"relay-{i}.log"
-            r = _Proc([*cli, "relay", "--listen", "127.0.0.1:0", "--parent", root_addr, "--key-file", str(key), *limit], log)
+            r = Proc([*cli, "relay", "--listen", "127.0.0.1:0", "--parent", root_addr, "--key-file", str(key), *limit],
+                     work / f"relay-{i}.log")
             procs.append(r)
-            leaves.append((log, r.line().split()[1]))
+            leaves.append((r, r.listening()))
         if args.fanout:
             leaves = leaves[1:]
         replicas = [work / f"receiver{r}.safetensors" for r in range(args.receivers)]
         receivers = []
-        per_leaf: dict[Path, int] = {}
+        per_leaf: dict[int, int] = {}
         for r, path in enumerate(replicas):
             shutil.copyfile(base, path)
-            log, addr = leaves[r % len(leaves)]
-            per_leaf[log] = per_leaf.get(log, 0) + 1
-            p = _Proc([*cli, "receive", str(path), "--from", f"{addr},{root_addr}", "--key-file", str(key),
+            addr = leaves[r % len(leaves)][1]
+            per_leaf[r % len(leaves)] = per_leaf.get(r % len(leaves), 0) + 1
+            p = Proc([*cli, "receive", str(path), "--from", f"{addr},{root_addr}", "--key-file", str(key),
                        "--receiver-id", f"receiver{r}", "--follow", str(args.steps), "--json"], work / f"receiver{r}.log")
             procs.append(p)
             receivers.append(p)
-        for log, count in per_leaf.items():
-            _wait_log(log, "role=Subscriber", count)
+        for leaf, count in per_leaf.items():
+            leaves[leaf][0].wait_log("role=Subscriber", count)
         tree = f"a root relay and {args.fanout} relays under it" if args.fanout else "one relay"
         print(f"dcr demo: a {sum(p.numel() for p in model.parameters()):,}-parameter transformer trained on the CPU "
               f"({args.regime}), checkpoint {full / 2**20:.1f} MiB; {args.receivers} receiver processes behind {tree}; "

@@ -104,7 +104,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &DeltaStats) -> PyResult<Bound<'py, PyDic
     Ok(d)
 }
 
-fn outcome_dict<'py>(py: Python<'py>, o: &ApplyOutcome) -> PyResult<Bound<'py, PyDict>> {
+pub(crate) fn outcome_dict<'py>(py: Python<'py>, o: &ApplyOutcome) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     match o {
         ApplyOutcome::Applied { chunks, changed } => {

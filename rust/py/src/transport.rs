@@ -155,22 +155,10 @@ pub fn receive_delta<'py>(
             Ok((outcome, sub.delivered.version, sub.delivered.failovers, sub.delivered.parent.clone()))
         })
         .map_err(to_py)?;
-    let d = PyDict::new(py);
+    let d = crate::outcome_dict(py, &outcome)?;
     d.set_item("version", version)?;
     d.set_item("failovers", failovers)?;
     d.set_item("parent", parent)?;
-    match outcome {
-        ApplyOutcome::Applied { chunks, changed } => {
-            d.set_item("outcome", "applied")?;
-            d.set_item("chunks", chunks)?;
-            d.set_item("changed_elements", changed)?;
-        }
-        ApplyOutcome::AlreadyAtTarget => {
-            d.set_item("outcome", "already_at_target")?;
-            d.set_item("chunks", 0)?;
-            d.set_item("changed_elements", 0)?;
-        }
-    }
     Ok(d)
 }
 

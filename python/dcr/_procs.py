@@ -1,0 +1,48 @@
+"""Child processes for the demo and the refit benchmark: relays and receivers
+whose first stdout lines are read, stderr logged to a file, stopped cleanly."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+
+class Proc:
+    def __init__(self, argv: list[str], log: Path) -> None:
+        self.log_path = log
+        self.log = open(log, "w")
+        self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.log, text=True)
+
+    def line(self) -> str:
+        assert self.p.stdout is not None
+        return self.p.stdout.readline()
+
+    def listening(self) -> str:
+        """The address a `dcr relay` child printed (`LISTENING host:port`)."""
+        line = self.line()
+        if not line.startswith("LISTENING "):
+            raise RuntimeError(f"relay did not start: {line!r}; see {self.log_path}")
+        return line.split()[1]
+
+    def wait_log(self, needle: str, count: int, timeout: float = 60.0) -> None:
+        """Block until the child's log holds `needle` `count` times (bounded)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.log.flush()
+            if self.log_path.read_text().count(needle) >= count:
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.log_path}: {needle!r} not seen {count} times in {timeout} s")
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        if self.p.stdout:
+            self.p.stdout.close()
+        self.log.close()
