@@ -14,8 +14,12 @@ __all__ = [
     "IncompleteDeltaError",
     "JournalError",
     "LayoutMismatchError",
+    "OBJSTORE_SCHEMES",
+    "ObjectStoreError",
     "UnsupportedFormatError",
     "VerificationError",
+    "VersionChainError",
+    "VersionExistsError",
     "__version__",
     "apply_buffers",
     "apply_changes",
@@ -28,6 +32,11 @@ __all__ = [
     "file_digest",
     "find_changes",
     "inspect_file",
+    "objstore_gc",
+    "objstore_publish",
+    "objstore_publish_diff",
+    "objstore_receive",
+    "objstore_versions",
 ]
 
 __version__: str
@@ -43,6 +52,9 @@ class LayoutMismatchError(DcrError): ...
 class VerificationError(DcrError): ...
 class CheckpointError(DcrError): ...
 class JournalError(DcrError): ...
+class ObjectStoreError(DcrError): ...
+class VersionExistsError(ObjectStoreError): ...
+class VersionChainError(BaseMismatchError): ...
 
 _Span = tuple[int, int]
 
@@ -91,3 +103,47 @@ def digest_buffers(names: list[str], dtypes: list[str], shapes: list[list[int]],
 def find_changes(old: _Span, new: _Span, width: int, kind: str = "xor") -> tuple[bytes, bytes]: ...
 def apply_changes(target: _Span, width: int, positions: bytes, values: bytes, kind: str = "xor") -> None: ...
 def decode_delta(delta: bytes) -> tuple[dict[str, Any], list[tuple[str, int, int, str, bytes, bytes]]]: ...
+
+# ---- object storage (issue 8; docs/objstore.md)
+OBJSTORE_SCHEMES: list[str]
+
+def objstore_publish(
+    delta: str | Any,
+    url: str,
+    *,
+    version: int | None = None,
+    concurrency: int = 8,
+    multipart_bytes: int = ...,
+    part_bytes: int = ...,
+    commit: bool = True,
+    progress: Callable[[int, int], object] | None = None,
+) -> dict[str, Any]: ...
+def objstore_publish_diff(
+    old: str | Any,
+    new: str | Any,
+    url: str,
+    *,
+    version: int | None = None,
+    chunk_bytes: int = ...,
+    kind: str = "xor",
+    zstd_level: int = 1,
+    concurrency: int = 8,
+    multipart_bytes: int = ...,
+    part_bytes: int = ...,
+    commit: bool = True,
+    threads: int | None = None,
+    progress: Callable[[int, int], object] | None = None,
+) -> dict[str, Any]: ...
+def objstore_receive(
+    target: str | Any,
+    url: str,
+    *,
+    receiver_id: str | None = None,
+    wait: float = 0.0,
+    poll: float = 0.2,
+    concurrency: int = 8,
+    threads: int | None = None,
+    progress: Callable[[str, int, int, int], object] | None = None,
+) -> dict[str, Any]: ...
+def objstore_versions(url: str) -> list[dict[str, Any]]: ...
+def objstore_gc(url: str, *, dry_run: bool = False) -> dict[str, Any]: ...

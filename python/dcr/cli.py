@@ -131,6 +131,139 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo.run(args)
 
 
+# ---------------------------------------------------------------- object storage
+# `dcr publish/receive` dispatch on the URL scheme: s3://, gs://, az://,
+# file:// go to object storage (docs/objstore.md); HOST:PORT is the relay
+# transport's.
+
+_OBJSTORE_SCHEMES = ("s3://", "s3a://", "gs://", "az://", "abfs://", "abfss://", "azure://", "file://")
+
+
+def _is_objstore(url: str) -> bool:
+    return url.startswith(_OBJSTORE_SCHEMES)
+
+
+def _not_a_transport(url: str, flag: str) -> ValueError:
+    return ValueError(
+        f"{flag} {url!r}: not an object-store URL (s3://bucket/prefix, gs://bucket/prefix, az://container/prefix, "
+        f"file:///path); a relay address HOST:PORT needs the relay transport, which this build does not have"
+    )
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    if not _is_objstore(args.to):
+        raise _not_a_transport(args.to, "--to")
+    from dcr import _core
+
+    total = os.path.getsize(args.delta)
+    bar = _bar(total, "publish", args.quiet or args.json)
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    t0 = time.perf_counter()
+    try:
+        info = _core.objstore_publish(
+            args.delta, args.to, version=args.version, concurrency=args.concurrency, progress=progress
+        )
+    finally:
+        bar.close()
+    info["seconds"] = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps(info, indent=2))
+    elif not args.quiet:
+        print(
+            f"{args.to}: committed v{info['version']} ({info['objects']} objects, {_human(info['object_bytes'])}, "
+            f"target {info['target_digest'][:16]}) in {info['seconds']:.2f} s"
+        )
+    return 0
+
+
+def cmd_receive(args: argparse.Namespace) -> int:
+    src = getattr(args, "from")
+    if not _is_objstore(src):
+        raise _not_a_transport(src, "--from")
+    from tqdm import tqdm
+
+    from dcr import _core
+
+    quiet = args.quiet or args.json
+    bars: dict[int, Any] = {}
+
+    def progress(event: str, version: int, done: int, total: int) -> None:
+        if event == "fetch":
+            bar = bars.get(version)
+            if bar is None:
+                bar = bars[version] = tqdm(
+                    total=total, desc=f"v{version}", unit="B", unit_scale=True, unit_divisor=1024,
+                    disable=quiet or None, leave=False,
+                )
+            bar.n = done
+            bar.refresh()
+        elif event == "applied":
+            bar = bars.pop(version, None)
+            if bar is not None:
+                bar.close()
+            if not quiet:
+                tqdm.write(f"v{version}: applied {done} chunks ({total:,} elements); digests verified")
+
+    t0 = time.perf_counter()
+    try:
+        info = _core.objstore_receive(
+            args.target, src, receiver_id=args.receiver_id, wait=args.wait, concurrency=args.concurrency,
+            threads=args.threads, progress=progress,
+        )
+    finally:
+        for bar in bars.values():
+            bar.close()
+    info["seconds"] = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps(info, indent=2))
+    elif not args.quiet:
+        at = f"v{info['version']}" if info["version"] is not None else "the base of v1"
+        if info["applied"]:
+            print(f"{args.target}: now at {at} (applied {len(info['applied'])} version(s), fetched "
+                  f"{_human(info['fetched_bytes'])}) in {info['seconds']:.2f} s; newest committed")
+        else:
+            print(f"{args.target}: at {at}, the newest committed version at {src}; nothing to do")
+    return 0
+
+
+def cmd_versions(args: argparse.Namespace) -> int:
+    if not _is_objstore(args.url):
+        raise _not_a_transport(args.url, "URL")
+    from dcr import _core
+
+    vs = _core.objstore_versions(args.url)
+    if args.json:
+        print(json.dumps(vs, indent=2))
+        return 0
+    if not vs:
+        print(f"{args.url}: no committed version")
+    for v in vs:
+        print(f"v{v['version']:<6} {v['base_digest'][:16]} -> {v['target_digest'][:16]}  "
+              f"{v['objects']:>6} objects  {_human(v['object_bytes']):>10}  {v['changed_elements']:,} changed")
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    if not _is_objstore(args.url):
+        raise _not_a_transport(args.url, "URL")
+    from dcr import _core
+
+    info = _core.objstore_gc(args.url, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps(info, indent=2))
+    elif not args.quiet:
+        verb = "would delete" if args.dry_run else "deleted"
+        gone = ", ".join(f"v{v}" for v in info["deleted"]) or "nothing"
+        print(f"{args.url}: {verb} {gone}; every registered receiver acknowledged up to "
+              f"{info['acknowledged_by_all']}, newest v{info['newest']} kept")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dcr", description="Bit-exact delta-compressed refit.")
     p.add_argument("--version", action="version", version=f"dcr {dcr.__version__}")
@@ -171,7 +304,33 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=cmd_demo)
 
-    for sp in (d, a, v, i, m):
+    pub = sub.add_parser("publish", help="publish DELTA as the next version to object storage (s3://, gs://, az://, file://)")
+    pub.add_argument("delta")
+    pub.add_argument("--to", required=True, metavar="URL", help="s3://bucket/prefix, gs://..., az://..., file:///path")
+    pub.add_argument("--version", type=int, default=None, dest="version",
+                     help="version number to commit (default: the newest committed + 1)")
+    pub.add_argument("--concurrency", type=int, default=8, help="uploads in flight (default 8)")
+    pub.set_defaults(func=cmd_publish)
+
+    rec = sub.add_parser("receive", help="apply every committed version after TARGET's own, in order (in place)")
+    rec.add_argument("target")
+    rec.add_argument("--from", required=True, metavar="URL", help="s3://bucket/prefix, gs://..., az://..., file:///path")
+    rec.add_argument("--receiver-id", default=None, help="register and acknowledge versions under this id (holds back GC)")
+    rec.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                     help="when already at the newest, wait this long for the next version, prefetching it while it streams (default 0: exit at once)")
+    rec.add_argument("--concurrency", type=int, default=8, help="downloads in flight (default 8)")
+    rec.set_defaults(func=cmd_receive)
+
+    ver = sub.add_parser("versions", help="list the committed versions at an object-store URL")
+    ver.add_argument("url")
+    ver.set_defaults(func=cmd_versions)
+
+    gcp = sub.add_parser("gc", help="delete versions every registered receiver acknowledged (keeps the newest)")
+    gcp.add_argument("url")
+    gcp.add_argument("--dry-run", action="store_true")
+    gcp.set_defaults(func=cmd_gc)
+
+    for sp in (d, a, v, i, m, pub, rec, ver, gcp):
         sp.add_argument("--json", action="store_true", help="machine-readable output")
         sp.add_argument("-q", "--quiet", action="store_true")
         sp.add_argument("--threads", type=int, default=None, help="worker threads (default: all cores)")

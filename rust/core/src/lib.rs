@@ -14,5 +14,7 @@ pub mod error;
 pub mod files;
 pub mod format;
 pub mod journal;
+#[cfg(feature = "objstore")]
+pub mod objstore;
 
 pub use error::{Error, Result};
