@@ -245,41 +245,33 @@ def test_receiver_started_mid_stream(store: Backend, tmp_path: Path):
 
 
 def test_receiver_several_versions_behind_catches_up_and_gc(store: Backend, tmp_path: Path):
-    paths = chain(tmp_path, 4)
-    for i, d in enumerate(deltas(paths, tmp_path), start=1):
+    paths = chain(tmp_path, 5)
+    ds = deltas(paths, tmp_path)
+    slow = copy(paths[0], tmp_path / "slow.safetensors")
+    assert _core.objstore_publish(ds[0], store.url)["version"] == 1
+    assert _core.objstore_receive(slow, store.url, receiver_id="slow")["applied"] == [1]
+    for i, d in enumerate(ds[1:4], start=2):
         assert _core.objstore_publish(d, store.url)["version"] == i
     assert [v["version"] for v in _core.objstore_versions(store.url)] == [1, 2, 3, 4]
-    behind = copy(paths[0], tmp_path / "behind.safetensors")
     mid = copy(paths[2], tmp_path / "mid.safetensors")
-    r = _core.objstore_receive(mid, store.url, receiver_id="mid")
-    assert r["applied"] == [3, 4]
-    # Four versions behind: it applies the whole chain in order.
-    assert main(["receive", str(behind), "--from", store.url, "--receiver-id", "behind", "-q"]) == 0
-    assert behind.read_bytes() == paths[4].read_bytes() == mid.read_bytes()
+    assert _core.objstore_receive(mid, store.url, receiver_id="mid")["applied"] == [3, 4]
+    # GC keeps what the slow receiver (acknowledged v1) still needs.
     g = _core.objstore_gc(store.url)
-    assert g["acknowledged_by_all"] == 4 and g["deleted"] == [1, 2, 3]
-    assert [v["version"] for v in _core.objstore_versions(store.url)] == [4]
-    assert not store.keys("v1") and not store.keys("streaming/v2")
-    # The next version still publishes and applies on top of the newest.
-    nxt = tmp_path / "v5.safetensors"
-    arr = {k: np.frombuffer(b, dtype=np.uint16).copy() for k, b in _read_bf16(paths[4]).items()}
-    arr["model.norm.weight"][:5] ^= 1
-    write_bf16(nxt, arr)
-    d5 = tmp_path / "4-5.dcr"
-    dcr.diff_files(paths[4], nxt, d5)
-    assert _core.objstore_publish(d5, store.url)["version"] == 5
-    assert _core.objstore_receive(behind, store.url, receiver_id="behind")["applied"] == [5]
-    assert behind.read_bytes() == nxt.read_bytes()
-
-
-def _read_bf16(path: Path) -> dict[str, bytes]:
-    import json
-    import struct
-
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    meta = json.loads(raw[8 : 8 + n])
-    return {k: raw[8 + n + v["data_offsets"][0] : 8 + n + v["data_offsets"][1]] for k, v in meta.items() if k != "__metadata__"}
+    assert g["receivers"] == {"slow": 1, "mid": 4} and g["deleted"] == [1]
+    # Three versions behind: the CLI applies the rest of the chain in order.
+    assert main(["receive", str(slow), "--from", store.url, "--receiver-id", "slow", "-q"]) == 0
+    assert slow.read_bytes() == paths[4].read_bytes() == mid.read_bytes()
+    g = _core.objstore_gc(store.url)
+    assert g["acknowledged_by_all"] == 4 and g["deleted"] == [2, 3]
+    assert [v["version"] for v in _core.objstore_versions(store.url)] == [4], "the newest stays"
+    assert not store.keys("v1") and not store.keys("v2") and not store.keys("streaming/v3")
+    # A receiver that missed the deleted versions gets a clear error.
+    with pytest.raises(_core.VersionChainError, match="garbage-collected"):
+        _core.objstore_receive(copy(paths[0], tmp_path / "late.safetensors"), store.url)
+    # The next version publishes and applies on top of the newest.
+    assert _core.objstore_publish(ds[4], store.url)["version"] == 5
+    assert _core.objstore_receive(slow, store.url, receiver_id="slow")["applied"] == [5]
+    assert slow.read_bytes() == paths[5].read_bytes()
 
 
 def test_target_not_in_the_chain_is_refused(store: Backend, tmp_path: Path):

@@ -142,7 +142,6 @@ def objstore_receive(
     wait: float = 0.0,
     poll: float = 0.2,
     concurrency: int = 8,
-    threads: int | None = None,
     progress: Callable[[str, int, int, int], object] | None = None,
 ) -> dict[str, Any]: ...
 def objstore_versions(url: str) -> list[dict[str, Any]]: ...

@@ -213,7 +213,7 @@ def cmd_receive(args: argparse.Namespace) -> int:
     try:
         info = _core.objstore_receive(
             args.target, src, receiver_id=args.receiver_id, wait=args.wait, concurrency=args.concurrency,
-            threads=args.threads, progress=progress,
+            progress=progress,
         )
     finally:
         for bar in bars.values():

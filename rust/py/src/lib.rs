@@ -508,7 +508,7 @@ fn objstore_publish_diff<'py>(
 /// `progress(event, version, done, total)`: event "fetch" (bytes),
 /// "applied" (chunks, changed elements) or "waiting".
 #[pyfunction]
-#[pyo3(signature = (target, url, *, receiver_id=None, wait=0.0, poll=0.2, concurrency=objstore::DEFAULT_CONCURRENCY, threads=None, progress=None))]
+#[pyo3(signature = (target, url, *, receiver_id=None, wait=0.0, poll=0.2, concurrency=objstore::DEFAULT_CONCURRENCY, progress=None))]
 #[allow(clippy::too_many_arguments)]
 fn objstore_receive<'py>(
     py: Python<'py>,
@@ -518,7 +518,6 @@ fn objstore_receive<'py>(
     wait: f64,
     poll: f64,
     concurrency: usize,
-    threads: Option<usize>,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     if !(wait >= 0.0 && wait.is_finite() && poll > 0.0 && poll.is_finite()) {
@@ -530,7 +529,8 @@ fn objstore_receive<'py>(
         poll: std::time::Duration::from_secs_f64(poll),
         concurrency,
     };
-    let pool = pool(threads)?;
+    // Not inside a rayon pool: a receiver waiting for the next version must
+    // not hold a worker that a concurrent diff in this process needs.
     let mut events = move |e: objstore::ReceiveEvent| {
         if let Some(cb) = &progress {
             let args = match e {
@@ -548,7 +548,7 @@ fn objstore_receive<'py>(
     let s = py
         .detach(|| {
             let store = objstore::Store::open(&url)?;
-            pool.install(|| objstore::receive(&store, &target, &opts, &mut events))
+            objstore::receive(&store, &target, &opts, &mut events)
         })
         .map_err(to_py)?;
     let d = PyDict::new(py);

@@ -229,17 +229,17 @@ impl Store {
     pub fn path(&self, parts: &[&str]) -> Path {
         let mut p = self.root.clone();
         for part in parts {
-            p = p.child(*part);
+            p = p.join(*part);
         }
         p
     }
 
     pub(crate) fn manifest_path(&self, version: u64) -> Path {
-        self.path(&[&format!("v{version}"), "manifest.json"])
+        self.path(&[format!("v{version}").as_str(), "manifest.json"])
     }
 
     pub(crate) fn object_path(&self, version: u64, name: &str) -> Path {
-        self.path(&[&format!("v{version}"), "objects", name])
+        self.path(&[format!("v{version}").as_str(), "objects", name])
     }
 
     pub(crate) fn os_err(&self, op: impl Into<String>, e: object_store::Error) -> Error {

@@ -7,8 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use object_store::upload::WriteMultipart;
-use object_store::{ObjectStoreExt, PutMode, PutPayload};
+use object_store::{ObjectStoreExt, PutMode, PutPayload, WriteMultipart};
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
@@ -209,7 +208,7 @@ impl Publisher {
         self.multipart += usize::from(multipart);
         let store = self.store.clone();
         let path = store.object_path(self.version, &name);
-        let index = store.path(&["streaming", &format!("v{}", self.version), &self.delta_hex, &format!("{idx:08}-{name}-{size}")]);
+        let index = store.path(&["streaming", format!("v{}", self.version).as_str(), self.delta_hex.as_str(), format!("{idx:08}-{name}-{size}").as_str()]);
         let part = self.opts.part_bytes.max(1);
         let uploaded = self.uploaded.clone();
         let permit = runtime().block_on(self.sem.clone().acquire_owned()).expect("semaphore is never closed");
@@ -252,11 +251,7 @@ impl Publisher {
     /// a conditional put: the version becomes visible atomically, or the
     /// call fails with `VersionExists` when another publisher committed it.
     pub fn finish(mut self) -> Result<PublishSummary> {
-        let result = self.reap(true);
-        if let Err(e) = result {
-            self.abort();
-            return Err(e);
-        }
+        self.wait_uploads()?;
         if !self.buf.is_empty() || self.trailer.is_none() {
             return Err(Error::Incomplete {
                 detail: format!("the delta stream ended after {} frames without a trailer ({} stray bytes)", self.entries.len(), self.buf.len()),
@@ -314,6 +309,16 @@ impl Publisher {
         })
     }
 
+    /// Wait for every upload started so far (the commit is separate:
+    /// `finish`).
+    pub fn wait_uploads(&mut self) -> Result<()> {
+        let result = self.reap(true);
+        if result.is_err() {
+            self.abort();
+        }
+        result
+    }
+
     fn abort(&mut self) {
         for h in self.inflight.drain(..) {
             h.abort();
@@ -336,11 +341,12 @@ pub fn publish_delta(store: &Store, delta: &FsPath, opts: PublishOptions, progre
     // file is parsed.
     for piece in bytes.chunks(1 << 20) {
         p.push(piece)?;
-        progress(p.uploaded_bytes(), total);
+        progress(p.uploaded_bytes().min(total), total);
     }
-    let s = p.finish()?;
+    // Every object is up: 100 %, then the commit.
+    p.wait_uploads()?;
     progress(total, total);
-    Ok(s)
+    p.finish()
 }
 
 /// Build the delta from `old` to `new` (safetensors files) and publish it as

@@ -193,7 +193,7 @@ impl Prefetch {
     }
 
     async fn round(&mut self, store: &Store, base_hex: &str, concurrency: usize) -> Result<()> {
-        let prefix = store.path(&["streaming", &format!("v{}", self.version)]);
+        let prefix = store.path(&["streaming", format!("v{}", self.version).as_str()]);
         let listed: Vec<object_store::ObjectMeta> =
             store.inner.list(Some(&prefix)).try_collect().await.map_err(|e| store.os_err(format!("list {prefix}"), e))?;
         // delta_id -> idx -> (name, size)
@@ -205,7 +205,7 @@ impl Prefetch {
                 continue;
             }
             let fields: Vec<&str> = parts[n - 1].split('-').collect();
-            if let [idx, name, size] = fields[..] {
+            if let [idx, name, size] = &fields[..] {
                 if let (Ok(idx), Ok(size)) = (idx.parse::<u32>(), size.parse::<u64>()) {
                     if name.len() == 32 && size <= (format::MAX_FRAME_BODY + 9) as u64 {
                         entries.entry(parts[n - 2].clone()).or_default().insert(idx, (name.to_string(), size));
@@ -215,7 +215,7 @@ impl Prefetch {
         }
         let mut want = Vec::new();
         for (id, objs) in &entries {
-            match self.deltas.get(id) {
+            match self.deltas.get(id).copied() {
                 Some(false) => continue,
                 Some(true) => want.extend(objs.values().filter(|(n, _)| !self.have.contains_key(n)).cloned()),
                 None => {
@@ -277,7 +277,7 @@ fn apply_bytes(bytes: &[u8], target: &FsPath) -> Result<ApplyOutcome> {
 }
 
 pub(super) async fn ack(store: &Store, id: &str, version: u64, digest: &str) -> Result<()> {
-    let path = store.path(&["acks", &format!("v{version}"), id]);
+    let path = store.path(&["acks", format!("v{version}").as_str(), id]);
     let v = serde_json::json!({ "receiver": id, "version": version, "digest": digest, "unix_ms": now_ms() });
     store.put_json(&path, &v, PutMode::Overwrite).await
 }
@@ -324,7 +324,7 @@ pub fn receive(store: &Store, target: &FsPath, opts: &ReceiveOptions, events: &m
     let mut summary = ReceiveSummary::default();
     if let Some(id) = &opts.receiver_id {
         let v = serde_json::json!({ "receiver": id, "registered_unix_ms": now_ms() });
-        rt.block_on(store.put_json(&store.path(&["receivers", id]), &v, PutMode::Overwrite))?;
+        rt.block_on(store.put_json(&store.path(&["receivers", id.as_str()]), &v, PutMode::Overwrite))?;
     }
     let deadline = Instant::now() + opts.wait;
     let mut prefetch: Option<Prefetch> = None;
@@ -485,9 +485,9 @@ pub fn gc(store: &Store, dry_run: bool) -> Result<GcSummary> {
                 Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
                 Err(e) => return Err(store.os_err(format!("delete {}", store.manifest_path(v)), e)),
             }
-            s.objects_deleted += store.delete_prefix(&[&vname]).await? + store.delete_prefix(&["streaming", &vname]).await?;
+            s.objects_deleted += store.delete_prefix(&[vname.as_str()]).await? + store.delete_prefix(&["streaming", vname.as_str()]).await?;
             if v < all {
-                s.objects_deleted += store.delete_prefix(&["acks", &vname]).await?;
+                s.objects_deleted += store.delete_prefix(&["acks", vname.as_str()]).await?;
             }
         }
         Ok(s)
