@@ -112,7 +112,7 @@ def objstore_publish(
     url: str,
     *,
     version: int | None = None,
-    concurrency: int = 8,
+    concurrency: int = ...,
     multipart_bytes: int = ...,
     part_bytes: int = ...,
     commit: bool = True,
@@ -127,7 +127,7 @@ def objstore_publish_diff(
     chunk_bytes: int = ...,
     kind: str = "xor",
     zstd_level: int = 1,
-    concurrency: int = 8,
+    concurrency: int = ...,
     multipart_bytes: int = ...,
     part_bytes: int = ...,
     commit: bool = True,
@@ -141,7 +141,7 @@ def objstore_receive(
     receiver_id: str | None = None,
     wait: float = 0.0,
     poll: float = 0.2,
-    concurrency: int = 8,
+    concurrency: int = ...,
     progress: Callable[[str, int, int, int], object] | None = None,
 ) -> dict[str, Any]: ...
 def objstore_versions(url: str) -> list[dict[str, Any]]: ...
