@@ -256,6 +256,9 @@ def test_receiver_several_versions_behind_catches_up_and_gc(store: Backend, tmp_
     mid = copy(paths[2], tmp_path / "mid.safetensors")
     assert _core.objstore_receive(mid, store.url, receiver_id="mid")["applied"] == [3, 4]
     # GC keeps what the slow receiver (acknowledged v1) still needs.
+    assert _core.objstore_gc(store.url, dry_run=True)["deleted"] == [1]
+    assert len(_core.objstore_versions(store.url)) == 4, "a dry run deletes nothing"
+    assert main(["gc", store.url, "--dry-run", "-q"]) == 0
     g = _core.objstore_gc(store.url)
     assert g["receivers"] == {"slow": 1, "mid": 4} and g["deleted"] == [1]
     # Three versions behind: the CLI applies the rest of the chain in order.
