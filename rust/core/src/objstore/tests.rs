@@ -115,7 +115,7 @@ fn local_filesystem_url_and_multipart() {
     let url = format!("file://{}/bucket/prefix", dir.path().display());
     let store = Store::open(&url).unwrap();
     // Every object large enough goes up in parts.
-    let opts = PublishOptions { multipart_bytes: 1024, part_bytes: 4096, ..Default::default() };
+    let opts = PublishOptions { multipart_bytes: 200, part_bytes: 128, ..Default::default() };
     let (s, _) = publish_diff(&store, &paths[0], &paths[1], &small_chunks(), opts, &mut |_, _| {}).unwrap();
     assert!(s.multipart_objects > 0);
     assert!(dir.path().join("bucket/prefix/v1/manifest.json").exists());
