@@ -231,9 +231,9 @@ def test_receiver_started_mid_stream(store: Backend, tmp_path: Path):
     t = threading.Thread(target=run)
     t.start()
     deadline = time.monotonic() + 30
-    while "waiting" not in events and time.monotonic() < deadline:
+    while "prefetched" not in events and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(0.5)  # a few prefetch rounds
+    assert "waiting" in events and "prefetched" in events, events
     # The publisher finishes: the same frames, then the manifest.
     _core.objstore_publish_diff(paths[0], paths[1], store.url, chunk_bytes=SMALL_CHUNKS, version=1)
     t.join(timeout=120)
@@ -297,3 +297,11 @@ def test_non_objstore_urls_get_a_clear_error(tmp_path: Path, capsys):
     assert main(["receive", str(d), "--from", "relay-host:9000"]) == 2
     with pytest.raises(ValueError, match="scheme"):
         _core.objstore_versions("ftp://example/x")
+
+
+def test_missing_bucket_is_an_object_store_error(s3_endpoint: str, tmp_path: Path):
+    paths = chain(tmp_path, 0)
+    with pytest.raises(_core.ObjectStoreError, match="check the URL, the credentials") as e:
+        _core.objstore_receive(paths[0], "s3://no-such-bucket-dcr/x")
+    assert isinstance(e.value, dcr.DcrError)
+    assert issubclass(_core.VersionExistsError, _core.ObjectStoreError)

@@ -202,6 +202,8 @@ def cmd_receive(args: argparse.Namespace) -> int:
                 )
             bar.n = done
             bar.refresh()
+        elif event == "waiting" and not quiet and not bars:
+            tqdm.write(f"at the newest committed version; waiting up to {args.wait:g} s for v{version}")
         elif event == "applied":
             bar = bars.pop(version, None)
             if bar is not None:

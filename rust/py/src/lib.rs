@@ -506,7 +506,8 @@ fn objstore_publish_diff<'py>(
 /// order; when it is already at the newest, wait up to `wait` seconds for
 /// the next version (prefetching while it streams).
 /// `progress(event, version, done, total)`: event "fetch" (bytes),
-/// "applied" (chunks, changed elements) or "waiting".
+/// "applied" (chunks, changed elements), "waiting" (for `version`) or
+/// "prefetched" (objects of the uncommitted `version` fetched so far).
 #[pyfunction]
 #[pyo3(signature = (target, url, *, receiver_id=None, wait=0.0, poll=0.2, concurrency=objstore::DEFAULT_CONCURRENCY, progress=None))]
 #[allow(clippy::too_many_arguments)]
@@ -537,6 +538,7 @@ fn objstore_receive<'py>(
                 objstore::ReceiveEvent::Fetch { version, done, total } => ("fetch", version, done, total),
                 objstore::ReceiveEvent::Applied { version, chunks, changed } => ("applied", version, u64::from(chunks), changed),
                 objstore::ReceiveEvent::Waiting { next } => ("waiting", next, 0, 0),
+                objstore::ReceiveEvent::Prefetched { version, objects } => ("prefetched", version, objects, 0),
             };
             Python::attach(|py| {
                 if let Err(e) = cb.call1(py, args) {

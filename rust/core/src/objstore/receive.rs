@@ -68,6 +68,9 @@ pub enum ReceiveEvent {
     Applied { version: u64, chunks: u32, changed: u64 },
     /// At the newest committed version, waiting for the next.
     Waiting { next: u64 },
+    /// Objects of the uncommitted version `version` fetched so far from its
+    /// streaming index (before its manifest exists).
+    Prefetched { version: u64, objects: u64 },
 }
 
 fn chain_err(store: &Store, detail: String) -> Error {
@@ -393,7 +396,11 @@ pub fn receive(store: &Store, target: &FsPath, opts: &ReceiveOptions, events: &m
             if rt.block_on(store.get_manifest(next))?.is_some() {
                 break;
             }
+            let before = p.fetched;
             rt.block_on(p.round(store, &digest, opts.concurrency))?;
+            if p.fetched > before {
+                events(ReceiveEvent::Prefetched { version: next, objects: p.fetched as u64 });
+            }
             if Instant::now() >= deadline {
                 break;
             }

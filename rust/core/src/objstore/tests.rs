@@ -235,11 +235,17 @@ fn receiver_started_mid_stream_prefetches_then_commits() {
     publish_diff(&store, &paths[0], &paths[1], &small_chunks(), opts, &mut |_, _| {}).unwrap();
     let target = receiver_copy(dir.path(), &paths[0], "r.safetensors");
     let (s2, t2) = (store.clone(), target.clone());
+    let (tx, rx) = std::sync::mpsc::channel();
     let th = std::thread::spawn(move || {
-        let o = ReceiveOptions { wait: Duration::from_secs(20), poll: Duration::from_millis(20), ..Default::default() };
-        receive(&s2, &t2, &o, &mut |_| {})
+        let o = ReceiveOptions { wait: Duration::from_secs(60), poll: Duration::from_millis(20), ..Default::default() };
+        receive(&s2, &t2, &o, &mut |e| {
+            if let ReceiveEvent::Prefetched { objects, .. } = e {
+                let _ = tx.send(objects);
+            }
+        })
     });
-    std::thread::sleep(Duration::from_millis(500));
+    // Commit only once the receiver has fetched objects from the stream.
+    assert!(rx.recv_timeout(Duration::from_secs(50)).unwrap() > 0);
     publish_diff(&store, &paths[0], &paths[1], &small_chunks(), PublishOptions { version: Some(1), ..Default::default() }, &mut |_, _| {})
         .unwrap();
     let r = th.join().unwrap().unwrap();
