@@ -96,7 +96,7 @@ impl Publisher {
                 next: newest.unwrap_or(version) + 1,
             });
         }
-        let prev = committed.into_iter().filter(|m| m.version < version).last();
+        let prev = committed.into_iter().rev().find(|m| m.version < version);
         Ok(Publisher {
             store: store.clone(),
             version,
