@@ -14,8 +14,12 @@ __all__ = [
     "IncompleteDeltaError",
     "JournalError",
     "LayoutMismatchError",
+    "OBJSTORE_SCHEMES",
+    "ObjectStoreError",
     "UnsupportedFormatError",
     "VerificationError",
+    "VersionChainError",
+    "VersionExistsError",
     "__version__",
     "apply_buffers",
     "apply_changes",
@@ -32,6 +36,11 @@ __all__ = [
     "receive_delta",
     "relay_main",
     "TransportError",
+    "objstore_gc",
+    "objstore_publish",
+    "objstore_publish_diff",
+    "objstore_receive",
+    "objstore_versions",
 ]
 
 __version__: str
@@ -48,6 +57,9 @@ class VerificationError(DcrError): ...
 class CheckpointError(DcrError): ...
 class JournalError(DcrError): ...
 class TransportError(DcrError): ...
+class ObjectStoreError(DcrError): ...
+class VersionExistsError(ObjectStoreError): ...
+class VersionChainError(BaseMismatchError): ...
 
 _Span = tuple[int, int]
 
@@ -118,3 +130,46 @@ def receive_delta(
     timeout_s: float = 600.0,
 ) -> dict[str, Any]: ...
 def relay_main(argv: list[str]) -> int: ...
+
+# ---- object storage (issue 8; docs/objstore.md)
+OBJSTORE_SCHEMES: list[str]
+
+def objstore_publish(
+    delta: str | Any,
+    url: str,
+    *,
+    version: int | None = None,
+    concurrency: int = ...,
+    multipart_bytes: int = ...,
+    part_bytes: int = ...,
+    commit: bool = True,
+    progress: Callable[[int, int], object] | None = None,
+) -> dict[str, Any]: ...
+def objstore_publish_diff(
+    old: str | Any,
+    new: str | Any,
+    url: str,
+    *,
+    version: int | None = None,
+    chunk_bytes: int = ...,
+    kind: str = "xor",
+    zstd_level: int = 1,
+    concurrency: int = ...,
+    multipart_bytes: int = ...,
+    part_bytes: int = ...,
+    commit: bool = True,
+    threads: int | None = None,
+    progress: Callable[[int, int], object] | None = None,
+) -> dict[str, Any]: ...
+def objstore_receive(
+    target: str | Any,
+    url: str,
+    *,
+    receiver_id: str | None = None,
+    wait: float = 0.0,
+    poll: float = 0.2,
+    concurrency: int = ...,
+    progress: Callable[[str, int, int, int], object] | None = None,
+) -> dict[str, Any]: ...
+def objstore_versions(url: str) -> list[dict[str, Any]]: ...
+def objstore_gc(url: str, *, dry_run: bool = False) -> dict[str, Any]: ...

@@ -126,13 +126,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _is_relay_address(addr: str) -> bool:
-    return "://" not in addr
-
-
-def cmd_publish(args: argparse.Namespace) -> int:
-    if not _is_relay_address(args.to):
-        raise ValueError(f"--to {args.to}: object-storage URLs are not supported by this build; pass a relay HOST:PORT")
+def _publish_relay(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     report = dcr._core.publish_delta(
         args.delta,
@@ -159,10 +153,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_receive(args: argparse.Namespace) -> int:
+def _receive_relay(args: argparse.Namespace) -> int:
     parents = [p for p in args.source.split(",") if p]
-    if not all(_is_relay_address(p) for p in parents):
-        raise ValueError(f"--from {args.source}: object-storage URLs are not supported by this build; pass relay HOST:PORT[,HOST:PORT...]")
     from_version = args.from_version
     for _ in range(max(args.follow, 1)):
         t0 = time.perf_counter()
@@ -223,6 +215,155 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo.run(args)
 
 
+# ---------------------------------------------------------------- object storage
+# `dcr publish/receive` dispatch on the URL scheme: s3://, gs://, az://,
+# file:// go to object storage (docs/objstore.md); HOST:PORT is the relay
+# transport's.
+
+_OBJSTORE_SCHEMES = ("s3://", "s3a://", "gs://", "az://", "abfs://", "abfss://", "azure://", "file://")
+
+
+def _is_objstore(url: str) -> bool:
+    return url.startswith(_OBJSTORE_SCHEMES)
+
+
+def _not_a_transport(url: str, flag: str) -> ValueError:
+    return ValueError(
+        f"{flag} {url!r}: not an object-store URL (s3://bucket/prefix, gs://bucket/prefix, az://container/prefix, "
+        f"file:///path) nor a relay address HOST:PORT"
+    )
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    """`dcr publish`: object storage for URLs, the relay tree for HOST:PORT."""
+    if _is_objstore(args.to):
+        return _publish_objstore(args)
+    if "://" in args.to:
+        raise _not_a_transport(args.to, "--to")
+    return _publish_relay(args)
+
+
+def cmd_receive(args: argparse.Namespace) -> int:
+    """`dcr receive`: object storage for URLs, the relay tree for HOST:PORT[,...]."""
+    if _is_objstore(args.source):
+        return _receive_objstore(args)
+    if "://" in args.source:
+        raise _not_a_transport(args.source, "--from")
+    return _receive_relay(args)
+
+
+def _publish_objstore(args: argparse.Namespace) -> int:
+    from dcr import _core
+
+    total = os.path.getsize(args.delta)
+    bar = _bar(total, "publish", args.quiet or args.json)
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    t0 = time.perf_counter()
+    try:
+        info = _core.objstore_publish(
+            args.delta, args.to, version=args.version, concurrency=args.concurrency, progress=progress
+        )
+    finally:
+        bar.close()
+    info["seconds"] = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps(info, indent=2))
+    elif not args.quiet:
+        print(
+            f"{args.to}: committed v{info['version']} ({info['objects']} objects, {_human(info['object_bytes'])}, "
+            f"target {info['target_digest'][:16]}) in {info['seconds']:.2f} s"
+        )
+    return 0
+
+
+def _receive_objstore(args: argparse.Namespace) -> int:
+    src = args.source
+    from tqdm import tqdm
+
+    from dcr import _core
+
+    quiet = args.quiet or args.json
+    bars: dict[int, Any] = {}
+
+    def progress(event: str, version: int, done: int, total: int) -> None:
+        if event == "fetch":
+            bar = bars.get(version)
+            if bar is None:
+                bar = bars[version] = tqdm(
+                    total=total, desc=f"v{version}", unit="B", unit_scale=True, unit_divisor=1024,
+                    disable=quiet or None, leave=False,
+                )
+            bar.n = done
+            bar.refresh()
+        elif event == "waiting" and not quiet and not bars:
+            tqdm.write(f"at the newest committed version; waiting up to {args.wait:g} s for v{version}")
+        elif event == "applied":
+            bar = bars.pop(version, None)
+            if bar is not None:
+                bar.close()
+            if not quiet:
+                tqdm.write(f"v{version}: applied {done} chunks ({total:,} elements); digests verified")
+
+    t0 = time.perf_counter()
+    try:
+        info = _core.objstore_receive(
+            args.target, src, receiver_id=args.receiver_id, wait=args.wait, concurrency=args.concurrency,
+            progress=progress,
+        )
+    finally:
+        for bar in bars.values():
+            bar.close()
+    info["seconds"] = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps(info, indent=2))
+    elif not args.quiet:
+        at = f"v{info['version']}" if info["version"] is not None else "the base of v1"
+        if info["applied"]:
+            print(f"{args.target}: now at {at} (applied {len(info['applied'])} version(s), fetched "
+                  f"{_human(info['fetched_bytes'])}) in {info['seconds']:.2f} s; newest committed")
+        else:
+            print(f"{args.target}: at {at}, the newest committed version at {src}; nothing to do")
+    return 0
+
+
+def cmd_versions(args: argparse.Namespace) -> int:
+    if not _is_objstore(args.url):
+        raise _not_a_transport(args.url, "URL")
+    from dcr import _core
+
+    vs = _core.objstore_versions(args.url)
+    if args.json:
+        print(json.dumps(vs, indent=2))
+        return 0
+    if not vs:
+        print(f"{args.url}: no committed version")
+    for v in vs:
+        print(f"v{v['version']:<6} {v['base_digest'][:16]} -> {v['target_digest'][:16]}  "
+              f"{v['objects']:>6} objects  {_human(v['object_bytes']):>10}  {v['changed_elements']:,} changed")
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    if not _is_objstore(args.url):
+        raise _not_a_transport(args.url, "URL")
+    from dcr import _core
+
+    info = _core.objstore_gc(args.url, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps(info, indent=2))
+    elif not args.quiet:
+        verb = "would delete" if args.dry_run else "deleted"
+        gone = ", ".join(f"v{v}" for v in info["deleted"]) or "nothing"
+        print(f"{args.url}: {verb} {gone}; every registered receiver acknowledged up to "
+              f"{info['acknowledged_by_all']}, newest v{info['newest']} kept")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dcr", description="Bit-exact delta-compressed refit.")
     p.add_argument("--version", action="version", version=f"dcr {dcr.__version__}")
@@ -261,21 +402,27 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--all", action="store_true", help="list unchanged tensors too")
     i.set_defaults(func=cmd_inspect)
 
-    pb = sub.add_parser("publish", help="stream a delta to a relay tree (its root relay)")
+    pb = sub.add_parser("publish", help="publish a delta: stream it to a relay tree, or commit it to object storage")
     pb.add_argument("delta")
-    pb.add_argument("--to", required=True, help="root relay HOST:PORT")
+    pb.add_argument("--to", required=True, help="root relay HOST:PORT, or s3://bucket/prefix, gs://..., az://..., file:///path")
     pb.add_argument("--key-file", default=None, help="pre-shared key file of the relay tree")
-    pb.add_argument("--version", type=int, default=None, help="version to publish as (default: the delta's target version)")
+    pb.add_argument("--version", type=int, default=None,
+                    help="version to publish as (default: relay: the delta's target version; object storage: newest + 1)")
+    pb.add_argument("--concurrency", type=int, default=8, help="object storage: uploads in flight (default 8)")
     pb.add_argument("--expect-acks", type=int, default=0, help="wait until this many receivers report (exit 1 unless all commit)")
     pb.add_argument("--ack-timeout", type=float, default=120.0)
     pb.add_argument("--standby", action="append", default=[], help="standby root HOST:PORT (repeatable)")
     pb.set_defaults(func=cmd_publish)
 
-    rc = sub.add_parser("receive", help="receive a delta from a relay tree and apply it in place (exit 0 once committed)")
+    rc = sub.add_parser("receive", help="receive deltas and apply them in place (exit 0 once committed / at the newest)")
     rc.add_argument("target")
-    rc.add_argument("--from", dest="source", required=True, help="parent relays HOST:PORT[,HOST:PORT...] in failover order")
+    rc.add_argument("--from", dest="source", required=True,
+                    help="parent relays HOST:PORT[,HOST:PORT...] in failover order, or an object-store URL")
     rc.add_argument("--key-file", default=None)
-    rc.add_argument("--receiver-id", default=None)
+    rc.add_argument("--receiver-id", default=None, help="id in acks (object storage: registers it, holding back GC)")
+    rc.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                    help="object storage: when at the newest, wait this long for the next version, prefetching it")
+    rc.add_argument("--concurrency", type=int, default=8, help="object storage: downloads in flight (default 8)")
     rc.add_argument("--from-version", type=int, default=0, help="receive the first version >= this")
     rc.add_argument("--timeout", type=float, default=600.0)
     rc.add_argument("--follow", type=int, default=1, metavar="N", help="receive N successive versions, then exit")
@@ -309,7 +456,16 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--mode", choices=["free", "context"], default="context", help="codec mode of the deltas")
     m.set_defaults(func=cmd_demo)
 
-    for sp in (d, a, v, i, m, pb, rc):
+    ver = sub.add_parser("versions", help="list the committed versions at an object-store URL")
+    ver.add_argument("url")
+    ver.set_defaults(func=cmd_versions)
+
+    gcp = sub.add_parser("gc", help="delete versions every registered receiver acknowledged (keeps the newest)")
+    gcp.add_argument("url")
+    gcp.add_argument("--dry-run", action="store_true")
+    gcp.set_defaults(func=cmd_gc)
+
+    for sp in (d, a, v, i, m, pb, rc, ver, gcp):
         sp.add_argument("--json", action="store_true", help="machine-readable output")
         sp.add_argument("-q", "--quiet", action="store_true")
         sp.add_argument("--threads", type=int, default=None, help="worker threads (default: all cores)")

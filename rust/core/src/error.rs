@@ -211,6 +211,22 @@ pub enum Error {
 
     #[error("journal {}: {durable} is durable, but compacting the journal failed: {source}; nothing is lost, the journal only stays longer: call compact() again or reopen the journal", path.display())]
     JournalCompact { path: PathBuf, durable: String, source: Box<Error> },
+
+    // ---- object-storage transport (feature `objstore`; docs/objstore.md)
+    /// A request to the object store failed: network, credentials,
+    /// permissions, a missing bucket or object.
+    #[error("object store {url}: {op} failed: {detail}; check the URL, the credentials and endpoint in the environment (AWS_*, GOOGLE_*, AZURE_*), and that the bucket exists, then retry")]
+    ObjectStore { url: String, op: String, detail: String },
+
+    /// The conditional put of a version's manifest was refused: that version
+    /// is already committed (another publisher won the race for it).
+    #[error("{url}: version {version} is already committed ({existing}); another publisher won the race for it and nothing of yours became visible: build your delta against v{version} and publish it as v{next}")]
+    VersionExists { url: String, version: u64, existing: String, next: u64 },
+
+    /// The committed versions at a URL do not form a chain from what the
+    /// receiver (or publisher) holds.
+    #[error("{url}: {detail}")]
+    VersionChain { url: String, detail: String },
 }
 
 /// What to do after an I/O error, by its kind.

@@ -18,5 +18,7 @@ pub mod format;
 pub mod journal;
 pub mod net;
 pub mod relay;
+#[cfg(feature = "objstore")]
+pub mod objstore;
 
 pub use error::{Error, Result};

@@ -16,6 +16,9 @@ create_exception!(dcr, VerificationError, DcrError, "After applying, the target'
 create_exception!(dcr, CheckpointError, DcrError, "A checkpoint file could not be read.");
 create_exception!(dcr, JournalError, DcrError, "The receiver's commit journal refused a transition or is corrupt.");
 create_exception!(dcr, TransportError, DcrError, "The relay transport failed: authentication, protocol, dead peers.");
+create_exception!(dcr, ObjectStoreError, DcrError, "An object-storage request failed (network, credentials, permissions, missing bucket).");
+create_exception!(dcr, VersionExistsError, ObjectStoreError, "The version is already committed: another publisher won the conditional put.");
+create_exception!(dcr, VersionChainError, BaseMismatchError, "The committed versions do not form a chain from what the target holds.");
 
 pub fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
@@ -36,6 +39,9 @@ pub fn to_py(e: Error) -> PyErr {
         Error::LayoutMismatch { .. } => LayoutMismatchError::new_err(msg),
         Error::TargetMismatch { .. } | Error::RollbackFailed { .. } => VerificationError::new_err(msg),
         Error::UnsupportedDtype { .. } | Error::Invalid(_) => PyValueError::new_err(msg),
+        Error::ObjectStore { .. } => ObjectStoreError::new_err(msg),
+        Error::VersionExists { .. } => VersionExistsError::new_err(msg),
+        Error::VersionChain { .. } => VersionChainError::new_err(msg),
         Error::JournalIo { source, .. } => PyOSError::new_err((source.raw_os_error().unwrap_or(0), msg)),
         Error::Timeout { .. } => pyo3::exceptions::PyTimeoutError::new_err(msg),
         Error::NetIo { .. } | Error::PeerClosed { .. } | Error::AllParentsFailed { .. } => {
@@ -67,5 +73,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CheckpointError", py.get_type::<CheckpointError>())?;
     m.add("JournalError", py.get_type::<JournalError>())?;
     m.add("TransportError", py.get_type::<TransportError>())?;
+    m.add("ObjectStoreError", py.get_type::<ObjectStoreError>())?;
+    m.add("VersionExistsError", py.get_type::<VersionExistsError>())?;
+    m.add("VersionChainError", py.get_type::<VersionChainError>())?;
     Ok(())
 }

@@ -15,6 +15,7 @@ use dcr_core::codec::{self, ChangeKind, Mode, SparseChanges};
 use dcr_core::delta::{self, ApplyOutcome, DeltaStats, DiffOptions};
 use dcr_core::dtype::DType;
 use dcr_core::files;
+use dcr_core::objstore;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
@@ -422,6 +423,196 @@ fn decode_delta<'py>(py: Python<'py>, delta: &[u8]) -> PyResult<(Bound<'py, PyDi
     Ok((h, list))
 }
 
+// ------------------------------------------------------------ object storage
+// (issue 8; dcr_core::objstore, layout in docs/objstore.md)
+
+fn publish_dict<'py>(py: Python<'py>, s: &objstore::PublishSummary) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("version", s.version)?;
+    d.set_item("committed", s.committed)?;
+    d.set_item("objects", s.objects)?;
+    d.set_item("object_bytes", s.object_bytes)?;
+    d.set_item("multipart_objects", s.multipart_objects)?;
+    d.set_item("manifest_bytes", s.manifest_bytes)?;
+    d.set_item("delta_bytes", s.delta_bytes)?;
+    d.set_item("delta_id", &s.delta_id)?;
+    d.set_item("base_digest", &s.base_digest)?;
+    d.set_item("target_digest", &s.target_digest)?;
+    d.set_item("changed_elements", s.changed)?;
+    Ok(d)
+}
+
+fn publish_opts(version: Option<u64>, concurrency: usize, multipart_bytes: usize, part_bytes: usize, commit: bool) -> objstore::PublishOptions {
+    objstore::PublishOptions { version, concurrency, multipart_bytes, part_bytes, commit }
+}
+
+/// Publish a delta file to object storage as version `version` (default:
+/// the newest committed + 1): content-addressed frame objects, then the
+/// manifest by a conditional put. `progress(uploaded, total)` in bytes.
+#[pyfunction]
+#[pyo3(signature = (delta, url, *, version=None, concurrency=objstore::DEFAULT_CONCURRENCY, multipart_bytes=objstore::DEFAULT_MULTIPART_BYTES, part_bytes=objstore::DEFAULT_PART_BYTES, commit=true, progress=None))]
+#[allow(clippy::too_many_arguments)]
+fn objstore_publish<'py>(
+    py: Python<'py>,
+    delta: PathBuf,
+    url: String,
+    version: Option<u64>,
+    concurrency: usize,
+    multipart_bytes: usize,
+    part_bytes: usize,
+    commit: bool,
+    progress: Option<Py<PyAny>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let opts = publish_opts(version, concurrency, multipart_bytes, part_bytes, commit);
+    let mut cb = progress_fn(progress);
+    let s = py
+        .detach(|| {
+            let store = objstore::Store::open(&url)?;
+            objstore::publish_delta(&store, &delta, opts, &mut cb)
+        })
+        .map_err(to_py)?;
+    publish_dict(py, &s)
+}
+
+/// Build the delta from `old` to `new` and publish it while it is built:
+/// each frame's upload starts as soon as it is encoded.
+#[pyfunction]
+#[pyo3(signature = (old, new, url, *, version=None, chunk_bytes=delta::DEFAULT_CHUNK_BYTES, kind="xor", zstd_level=1, concurrency=objstore::DEFAULT_CONCURRENCY, multipart_bytes=objstore::DEFAULT_MULTIPART_BYTES, part_bytes=objstore::DEFAULT_PART_BYTES, commit=true, threads=None, progress=None))]
+#[allow(clippy::too_many_arguments)]
+fn objstore_publish_diff<'py>(
+    py: Python<'py>,
+    old: PathBuf,
+    new: PathBuf,
+    url: String,
+    version: Option<u64>,
+    chunk_bytes: u32,
+    kind: &str,
+    zstd_level: i32,
+    concurrency: usize,
+    multipart_bytes: usize,
+    part_bytes: usize,
+    commit: bool,
+    threads: Option<usize>,
+    progress: Option<Py<PyAny>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let diff = DiffOptions { chunk_bytes, kind: parse_kind(kind)?, zstd_level, ..Default::default() };
+    let opts = publish_opts(version, concurrency, multipart_bytes, part_bytes, commit);
+    let pool = pool(threads)?;
+    let mut cb = progress_fn(progress);
+    let (s, stats) = py
+        .detach(|| {
+            let store = objstore::Store::open(&url)?;
+            pool.install(|| objstore::publish_diff(&store, &old, &new, &diff, opts, &mut cb))
+        })
+        .map_err(to_py)?;
+    let d = publish_dict(py, &s)?;
+    d.set_item("stats", stats_dict(py, &stats)?)?;
+    Ok(d)
+}
+
+/// Bring the safetensors file `target` (in place) to the newest committed
+/// version at `url`, applying every version after the one it holds in
+/// order; when it is already at the newest, wait up to `wait` seconds for
+/// the next version (prefetching while it streams).
+/// `progress(event, version, done, total)`: event "fetch" (bytes),
+/// "applied" (chunks, changed elements), "waiting" (for `version`) or
+/// "prefetched" (objects of the uncommitted `version` fetched so far).
+#[pyfunction]
+#[pyo3(signature = (target, url, *, receiver_id=None, wait=0.0, poll=0.2, concurrency=objstore::DEFAULT_CONCURRENCY, progress=None))]
+#[allow(clippy::too_many_arguments)]
+fn objstore_receive<'py>(
+    py: Python<'py>,
+    target: PathBuf,
+    url: String,
+    receiver_id: Option<String>,
+    wait: f64,
+    poll: f64,
+    concurrency: usize,
+    progress: Option<Py<PyAny>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    if !(wait >= 0.0 && wait.is_finite() && poll > 0.0 && poll.is_finite()) {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!("wait must be >= 0 and poll > 0 seconds, got wait={wait} poll={poll}")));
+    }
+    let opts = objstore::ReceiveOptions {
+        receiver_id,
+        wait: std::time::Duration::from_secs_f64(wait),
+        poll: std::time::Duration::from_secs_f64(poll),
+        concurrency,
+    };
+    // Not inside a rayon pool: a receiver waiting for the next version must
+    // not hold a worker that a concurrent diff in this process needs.
+    let mut events = move |e: objstore::ReceiveEvent| {
+        if let Some(cb) = &progress {
+            let args = match e {
+                objstore::ReceiveEvent::Fetch { version, done, total } => ("fetch", version, done, total),
+                objstore::ReceiveEvent::Applied { version, chunks, changed } => ("applied", version, u64::from(chunks), changed),
+                objstore::ReceiveEvent::Waiting { next } => ("waiting", next, 0, 0),
+                objstore::ReceiveEvent::Prefetched { version, objects } => ("prefetched", version, objects, 0),
+            };
+            Python::attach(|py| {
+                if let Err(e) = cb.call1(py, args) {
+                    e.print(py);
+                }
+            });
+        }
+    };
+    let s = py
+        .detach(|| {
+            let store = objstore::Store::open(&url)?;
+            objstore::receive(&store, &target, &opts, &mut events)
+        })
+        .map_err(to_py)?;
+    let d = PyDict::new(py);
+    d.set_item("applied", s.applied.clone())?;
+    d.set_item("version", s.version)?;
+    d.set_item("digest", &s.digest)?;
+    d.set_item("fetched_bytes", s.fetched_bytes)?;
+    d.set_item("prefetched", s.prefetched)?;
+    d.set_item("refetched", s.refetched)?;
+    Ok(d)
+}
+
+/// The committed versions at `url`: one dict per manifest, by version.
+#[pyfunction]
+fn objstore_versions<'py>(py: Python<'py>, url: String) -> PyResult<Bound<'py, PyList>> {
+    let ms = py.detach(|| objstore::Store::open(&url)?.committed()).map_err(to_py)?;
+    let out = PyList::empty(py);
+    for m in ms {
+        let d = PyDict::new(py);
+        d.set_item("version", m.version)?;
+        d.set_item("delta_id", &m.delta_id)?;
+        d.set_item("base_digest", &m.base_digest)?;
+        d.set_item("target_digest", &m.target_digest)?;
+        d.set_item("objects", m.objects.len())?;
+        d.set_item("object_bytes", m.objects.iter().map(|o| o.size).sum::<u64>())?;
+        d.set_item("delta_bytes", m.delta_bytes)?;
+        d.set_item("changed_elements", m.changed)?;
+        d.set_item("published_unix_ms", m.published_unix_ms)?;
+        out.append(d)?;
+    }
+    Ok(out)
+}
+
+/// Delete the versions every registered receiver has acknowledged (the
+/// newest committed version always stays).
+#[pyfunction]
+#[pyo3(signature = (url, *, dry_run=false))]
+fn objstore_gc<'py>(py: Python<'py>, url: String, dry_run: bool) -> PyResult<Bound<'py, PyDict>> {
+    let s = py.detach(|| objstore::gc(&objstore::Store::open(&url)?, dry_run)).map_err(to_py)?;
+    let d = PyDict::new(py);
+    d.set_item("deleted", s.deleted.clone())?;
+    d.set_item("objects_deleted", s.objects_deleted)?;
+    let r = PyDict::new(py);
+    for (id, v) in &s.receivers {
+        r.set_item(id, *v)?;
+    }
+    d.set_item("receivers", r)?;
+    d.set_item("acknowledged_by_all", s.acknowledged_by_all)?;
+    d.set_item("newest", s.newest)?;
+    d.set_item("dry_run", dry_run)?;
+    Ok(d)
+}
+
 #[pymodule(gil_used = false)]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -442,5 +633,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(transport::publish_delta, m)?)?;
     m.add_function(wrap_pyfunction!(transport::receive_delta, m)?)?;
     m.add_function(wrap_pyfunction!(transport::relay_main, m)?)?;
+    // object storage (issue 8)
+    m.add("OBJSTORE_SCHEMES", vec!["s3", "gs", "az", "file"])?;
+    m.add_function(wrap_pyfunction!(objstore_publish, m)?)?;
+    m.add_function(wrap_pyfunction!(objstore_publish_diff, m)?)?;
+    m.add_function(wrap_pyfunction!(objstore_receive, m)?)?;
+    m.add_function(wrap_pyfunction!(objstore_versions, m)?)?;
+    m.add_function(wrap_pyfunction!(objstore_gc, m)?)?;
     Ok(())
 }
