@@ -67,6 +67,9 @@ pub enum Error {
     #[error("after a failed apply, {count} tensor(s) could not be restored (first: {first}); the target holds neither version: do a dense refit")]
     RollbackFailed { count: usize, first: String },
 
+    #[error("rolling back a refit that failed verification did not restore its base: {detail}; the target holds neither version: do a dense refit")]
+    RollbackIncomplete { detail: String },
+
     #[error("incomplete delta: {detail}; the stream ended early: fetch the rest (or the whole delta) again")]
     Incomplete { detail: String },
 

@@ -3,7 +3,8 @@
 //! Pure Rust, no Python: the canonical checkpoint model and digests
 //! ([`checkpoint`]), the chunk codec ([`codec`]), the delta format
 //! ([`format`]), whole-checkpoint diff/apply ([`delta`], [`files`]) and the
-//! receiver's crash-safe commit journal ([`journal`]).
+//! receiver's crash-safe commit journal ([`journal`]) and the resumable
+//! in-place refit built on it ([`receiver`]).
 #![deny(unsafe_code)]
 
 pub mod checkpoint;
@@ -14,5 +15,6 @@ pub mod error;
 pub mod files;
 pub mod format;
 pub mod journal;
+pub mod receiver;
 
 pub use error::{Error, Result};
