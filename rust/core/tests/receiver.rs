@@ -1,0 +1,560 @@
+//! Crash-safety tests of the resumable receiver: every write, sync, file
+//! operation and target flush of two refits failed in turn (with and
+//! without a crash of the machine), then resumed to a bit-exact target; torn
+//! and corrupt journals; wrong-base, replayed and competing deltas; a full
+//! disk; a delta that fails verification.
+
+use std::path::{Path, PathBuf};
+
+use dcr_core::checkpoint::{Layout, TensorSpec};
+use dcr_core::codec::ChangeKind;
+use dcr_core::delta::{diff, read_delta, Delta, DiffOptions};
+use dcr_core::dtype::DType;
+use dcr_core::error::Error;
+use dcr_core::journal::sim::{Crash, SimIo};
+use dcr_core::journal::ChunkState;
+use dcr_core::receiver::{self, refit, status, undo_path, MemTarget, RefitOptions, RefitOutcome, TargetCrash};
+
+fn jpath() -> PathBuf {
+    PathBuf::from("/data/model.safetensors.dcrj")
+}
+
+struct Fixture {
+    layout: Layout,
+    versions: Vec<Vec<Vec<u8>>>,
+    deltas: Vec<Delta>,
+}
+
+fn rng(seed: u64) -> impl FnMut() -> u64 {
+    let mut s = seed | 1;
+    move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    }
+}
+
+/// Three versions of a small model (bf16, f32, u8 and a tensor that changes
+/// completely, so dense chunks appear) and the deltas 0->1 and 1->2 with
+/// 256-byte chunks (about 25 chunks each).
+fn fixture(kind: ChangeKind) -> Fixture {
+    let specs = vec![
+        TensorSpec {
+            name: "a.weight".into(),
+            dtype: DType::from_name("BF16").unwrap(),
+            shape: vec![64, 32],
+        },
+        TensorSpec {
+            name: "b.bias".into(),
+            dtype: DType::from_name("F32").unwrap(),
+            shape: vec![300],
+        },
+        TensorSpec {
+            name: "c.mask".into(),
+            dtype: DType::from_name("U8").unwrap(),
+            shape: vec![50],
+        },
+        TensorSpec {
+            name: "d.scale".into(),
+            dtype: DType::from_name("BF16").unwrap(),
+            shape: vec![100],
+        },
+    ];
+    let layout = Layout::new(specs).unwrap();
+    let mut next = rng(0x5eed);
+    let v0: Vec<Vec<u8>> = layout
+        .tensors()
+        .iter()
+        .map(|t| (0..t.storage_bytes().unwrap()).map(|_| next() as u8).collect())
+        .collect();
+    let step = |prev: &Vec<Vec<u8>>, next: &mut dyn FnMut() -> u64| -> Vec<Vec<u8>> {
+        prev.iter()
+            .enumerate()
+            .map(|(i, t)| {
+                t.iter()
+                    .map(|&b| {
+                        if i == 3 || next() % 100 < 4 {
+                            b ^ ((next() as u8) | 1)
+                        } else {
+                            b
+                        }
+                    })
+                    .collect()
+            })
+            .collect()
+    };
+    let v1 = step(&v0, &mut next);
+    let v2 = step(&v1, &mut next);
+    let versions = vec![v0, v1, v2];
+    let deltas = (0..2)
+        .map(|i| {
+            let opts = DiffOptions {
+                chunk_bytes: 256,
+                kind,
+                base_version: i as u64,
+                target_version: i as u64 + 1,
+                ..Default::default()
+            };
+            let old: Vec<&[u8]> = versions[i].iter().map(Vec::as_slice).collect();
+            let new: Vec<&[u8]> = versions[i + 1].iter().map(Vec::as_slice).collect();
+            let mut out = Vec::new();
+            diff(
+                &layout,
+                &old,
+                &new,
+                &opts,
+                &mut |b| {
+                    out.extend_from_slice(b);
+                    Ok(())
+                },
+                &mut |_, _| {},
+            )
+            .unwrap();
+            read_delta(&out).unwrap()
+        })
+        .collect();
+    Fixture {
+        layout,
+        versions,
+        deltas,
+    }
+}
+
+fn opts() -> RefitOptions {
+    RefitOptions {
+        batch_chunks: 4,
+        batch_bytes: u64::MAX,
+    }
+}
+
+fn target(f: &Fixture, v: usize) -> MemTarget {
+    MemTarget::new(f.layout.clone(), f.versions[v].clone()).unwrap()
+}
+
+fn run(io: &SimIo, t: &mut MemTarget, d: &Delta) -> dcr_core::Result<RefitOutcome> {
+    refit(&jpath(), io.clone(), d, t, &opts())
+}
+
+/// Applies the deltas in order; returns the index of the first that failed.
+fn run_all(io: &SimIo, t: &mut MemTarget, f: &Fixture) -> Option<(usize, Error)> {
+    for (i, d) in f.deltas.iter().enumerate() {
+        if let Err(e) = run(io, t, d) {
+            return Some((i, e));
+        }
+    }
+    None
+}
+
+/// After a failure in delta `from`, resume and finish; the target must hold
+/// the last version exactly (in memory and on "disk"), with a clean journal.
+fn resume_and_check(io: &SimIo, t: &mut MemTarget, f: &Fixture, from: usize, label: &str) {
+    for d in &f.deltas[from..] {
+        match run(io, t, d) {
+            Ok(_) => {}
+            Err(e) => panic!("{label}: resuming delta {} failed: {e}", d.header.target_version),
+        }
+    }
+    let last = f.versions.last().unwrap();
+    assert!(&t.current == last, "{label}: target differs from the last version");
+    assert!(
+        &t.durable == last,
+        "{label}: durable target differs from the last version"
+    );
+    let s = status(&jpath(), io.clone()).unwrap();
+    assert_eq!(s.state.committed.map(|c| c.version), Some(2), "{label}");
+    assert!(s.state.refit.is_none(), "{label}: refit still in flight");
+    assert!(
+        io.file_bytes(&undo_path(&jpath())).is_none(),
+        "{label}: undo file left behind"
+    );
+    // Rerun after success: a no-op.
+    let again = run(io, t, f.deltas.last().unwrap()).unwrap();
+    assert!(
+        matches!(again, RefitOutcome::AlreadyAtTarget { version: 2, .. }),
+        "{label}: {again:?}"
+    );
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    Write,
+    Sync,
+    Op,
+    PowerCut,
+    Flush,
+}
+
+/// Injects one fault per run for n = 0, 1, ... until a run no longer hits
+/// it; after each failure "crashes" in one of several ways and resumes.
+fn fail_each(kind: ChangeKind, fault: Fault) -> u64 {
+    let f = fixture(kind);
+    let mut n = 0u64;
+    loop {
+        for mode in 0..4u64 {
+            let io = SimIo::new();
+            let mut t = target(&f, 0);
+            match fault {
+                Fault::Write => io.fail_write(n),
+                Fault::Sync => io.fail_sync(n),
+                Fault::Op => io.fail_op(n),
+                Fault::PowerCut => io.power_cut_at_op(n),
+                Fault::Flush => t.fail_flush(n),
+            }
+            let Some((failed, err)) = run_all(&io, &mut t, &f) else {
+                assert!(n > 0, "{fault:?}: the refits issued none");
+                assert_eq!(t.current, *f.versions.last().unwrap());
+                return n;
+            };
+            let label = format!("{kind:?} {fault:?} #{n}, crash mode {mode}, failed in delta {failed}: {err}");
+            match (fault, mode) {
+                // The process died; the machine's page cache survived.
+                (f, 0) if !matches!(f, Fault::PowerCut) => {
+                    t.crash(TargetCrash::KeepAll);
+                    io.clear_faults();
+                }
+                (_, 0) | (_, 1) => {
+                    io.crash(Crash::DropUnsynced);
+                    t.crash(TargetCrash::DropUnflushed);
+                }
+                (_, 2) => {
+                    io.crash(Crash::KeepPending {
+                        ops: (n % 3) as usize,
+                        torn_bytes: 5,
+                    });
+                    t.crash(TargetCrash::Mix(n + 7));
+                }
+                _ => {
+                    io.crash(Crash::Reorder {
+                        mask: 0xa5a5_5a5a ^ n,
+                        torn_op: (n % 4) as usize,
+                        torn_bytes: 3,
+                    });
+                    t.crash(TargetCrash::Mix(n * 31 + 1));
+                }
+            }
+            resume_and_check(&io, &mut t, &f, failed, &label);
+        }
+        n += 1;
+    }
+}
+
+#[test]
+fn every_write_failed_in_turn_resumes_bit_exact() {
+    assert!(fail_each(ChangeKind::Xor, Fault::Write) > 10);
+}
+
+#[test]
+fn every_sync_failed_in_turn_resumes_bit_exact() {
+    assert!(fail_each(ChangeKind::Xor, Fault::Sync) > 10);
+}
+
+#[test]
+fn every_operation_failed_in_turn_resumes_bit_exact() {
+    assert!(fail_each(ChangeKind::Xor, Fault::Op) > 20);
+}
+
+#[test]
+fn a_power_cut_before_every_operation_resumes_bit_exact() {
+    assert!(fail_each(ChangeKind::Xor, Fault::PowerCut) > 20);
+}
+
+#[test]
+fn every_target_flush_failed_in_turn_resumes_bit_exact() {
+    assert!(fail_each(ChangeKind::Xor, Fault::Flush) > 5);
+}
+
+#[test]
+fn overwrite_deltas_resume_too() {
+    assert!(fail_each(ChangeKind::Overwrite, Fault::Sync) > 10);
+    assert!(fail_each(ChangeKind::Overwrite, Fault::PowerCut) > 20);
+}
+
+/// A refit of delta 0->1 interrupted after a few batches (a failed sync):
+/// some chunks applied, some in progress, the rest not started.
+fn interrupted(f: &Fixture) -> (SimIo, MemTarget) {
+    let io = SimIo::new();
+    let mut t = target(f, 0);
+    // Journal creation 2 syncs, dense commit 2 + compaction 2, begin 2, undo
+    // create 2; then per batch: undo 1, started 2, applied 2.
+    io.fail_sync(10 + 5 * 2 + 3);
+    assert!(run(&io, &mut t, &f.deltas[0]).is_err());
+    io.clear_faults();
+    let s = status(&jpath(), io.clone()).unwrap();
+    let r = s.state.refit.expect("refit in flight");
+    assert!(
+        !r.applied().is_empty() && !r.needs_repair().is_empty() && !r.not_started().is_empty(),
+        "{:?}",
+        r.chunks
+    );
+    (io, t)
+}
+
+#[test]
+fn status_reports_chunk_states_and_resume_repairs_in_progress_chunks() {
+    let f = fixture(ChangeKind::Xor);
+    let (io, mut t) = interrupted(&f);
+    let r = status(&jpath(), io.clone()).unwrap().state.refit.unwrap();
+    let (applied, repair) = (r.applied().len() as u32, r.needs_repair().len() as u32);
+    match run(&io, &mut t, &f.deltas[0]).unwrap() {
+        RefitOutcome::Committed(rep) => {
+            assert!(rep.resumed);
+            assert_eq!(rep.skipped, applied);
+            assert_eq!(rep.repaired, repair);
+            assert_eq!(rep.applied + rep.repaired + rep.skipped, rep.chunks);
+        }
+        o => panic!("{o:?}"),
+    }
+    assert_eq!(t.current, f.versions[1]);
+}
+
+#[test]
+fn a_torn_journal_tail_is_cut_and_the_refit_resumes() {
+    let f = fixture(ChangeKind::Xor);
+    let (io, mut t) = interrupted(&f);
+    let mut bytes = io.file_bytes(&jpath()).unwrap();
+    bytes.extend_from_slice(&[5, 0, 0, 0, 3, 1, 0]); // a record cut short
+    io.put_file_bytes(&jpath(), &bytes);
+    let s = status(&jpath(), io.clone()).unwrap();
+    assert!(s.torn_tail.is_some() && s.state.refit.is_some());
+    match run(&io, &mut t, &f.deltas[0]).unwrap() {
+        RefitOutcome::Committed(rep) => assert!(rep.torn_tail.is_some() && rep.resumed),
+        o => panic!("{o:?}"),
+    }
+    resume_and_check(&io, &mut t, &f, 1, "torn tail");
+}
+
+#[test]
+fn a_corrupt_journal_record_is_a_clear_error_and_nothing_is_touched() {
+    let f = fixture(ChangeKind::Xor);
+    let (io, mut t) = interrupted(&f);
+    let mut bytes = io.file_bytes(&jpath()).unwrap();
+    bytes[16 + 4 + 2] ^= 0x40; // inside the first record's payload
+    io.put_file_bytes(&jpath(), &bytes);
+    let before = t.current.clone();
+    let e = run(&io, &mut t, &f.deltas[0]).unwrap_err();
+    let m = e.to_string();
+    assert!(matches!(e, Error::JournalCorrupt { offset: 16, .. }), "{m}");
+    assert!(m.contains("model.safetensors.dcrj") && m.contains("dense refit"), "{m}");
+    assert!(status(&jpath(), io.clone()).is_err());
+    assert_eq!(t.current, before);
+    assert_eq!(
+        io.file_bytes(&jpath()).unwrap(),
+        bytes,
+        "the corrupt journal is kept as evidence"
+    );
+}
+
+#[test]
+fn a_damaged_pre_image_is_a_clear_error() {
+    let f = fixture(ChangeKind::Xor);
+    let (io, mut t) = interrupted(&f);
+    let up = undo_path(&jpath());
+    let mut bytes = io.file_bytes(&up).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1; // the last entry belongs to a chunk in progress
+    io.put_file_bytes(&up, &bytes);
+    let before = t.current.clone();
+    let m = run(&io, &mut t, &f.deltas[0]).unwrap_err().to_string();
+    assert!(m.contains("pre-image of chunk") && m.contains(".undo"), "{m}");
+    assert_eq!(t.current, before);
+}
+
+#[test]
+fn a_wrong_base_delta_is_refused_untouched() {
+    let f = fixture(ChangeKind::Xor);
+    let io = SimIo::new();
+    let mut t = target(&f, 0);
+    let e = run(&io, &mut t, &f.deltas[1]).unwrap_err();
+    assert!(matches!(e, Error::BaseMismatch { .. }), "{e}");
+    assert!(e.to_string().contains("v1 ("), "{e}");
+    assert_eq!(t.current, f.versions[0]);
+    assert!(status(&jpath(), io.clone()).unwrap().state.refit.is_none());
+    // A garbage target is refused too.
+    let mut junk = target(&f, 0);
+    junk.current[0][0] ^= 1;
+    let before = junk.current.clone();
+    assert!(matches!(
+        run(&io, &mut junk, &f.deltas[0]),
+        Err(Error::BaseMismatch { .. })
+    ));
+    assert_eq!(junk.current, before);
+}
+
+#[test]
+fn a_replayed_old_delta_is_refused_untouched_and_a_repeat_is_a_no_op() {
+    let f = fixture(ChangeKind::Xor);
+    let io = SimIo::new();
+    let mut t = target(&f, 0);
+    assert!(run_all(&io, &mut t, &f).is_none());
+    let e = run(&io, &mut t, &f.deltas[0]).unwrap_err();
+    let m = e.to_string();
+    assert!(matches!(e, Error::BaseMismatch { .. }) && m.contains("holds v2"), "{m}");
+    assert_eq!(t.current, f.versions[2]);
+    assert!(matches!(
+        run(&io, &mut t, &f.deltas[1]).unwrap(),
+        RefitOutcome::AlreadyAtTarget { version: 2, .. }
+    ));
+    assert_eq!(t.current, f.versions[2]);
+}
+
+#[test]
+fn another_delta_is_refused_while_a_touching_refit_is_in_flight() {
+    let f = fixture(ChangeKind::Xor);
+    let (io, mut t) = interrupted(&f);
+    let before = t.current.clone();
+    let e = run(&io, &mut t, &f.deltas[1]).unwrap_err();
+    assert!(
+        matches!(e, Error::JournalTransition { .. }) && e.to_string().contains("in flight"),
+        "{e}"
+    );
+    assert_eq!(t.current, before);
+    resume_and_check(&io, &mut t, &f, 0, "after a refused competitor");
+}
+
+#[test]
+fn a_full_disk_fails_cleanly_and_resumes_after_space_is_freed() {
+    let f = fixture(ChangeKind::Xor);
+    let mut hit = 0;
+    for room in (0..4000).step_by(97) {
+        let io = SimIo::new();
+        let mut t = target(&f, 0);
+        // The journal exists and holds the base before space runs out.
+        drop(dcr_core::journal::ReceiverJournal::open(jpath(), io.clone()).unwrap());
+        io.set_capacity(Some(io.used_bytes() + room));
+        if let Some((failed, e)) = run_all(&io, &mut t, &f) {
+            assert!(e.is_disk_full(), "room {room}: {e}");
+            assert!(
+                e.to_string().contains("disk is full") || matches!(e, Error::JournalIo { .. }),
+                "{e}"
+            );
+            hit += 1;
+            io.set_capacity(None);
+            resume_and_check(&io, &mut t, &f, failed, &format!("room {room}"));
+        }
+    }
+    assert!(hit > 5, "{hit}");
+}
+
+#[test]
+fn a_delta_that_fails_verification_is_rolled_back_to_the_committed_version() {
+    let f = fixture(ChangeKind::Xor);
+    let mut bad = f.deltas[0].clone();
+    // Claim a different result for one tensor (consistently in the header).
+    bad.trailer.tensor_digests[1][0] ^= 1;
+    bad.header.target_digest = f.layout.checkpoint_digest(&bad.trailer.tensor_digests);
+    let io = SimIo::new();
+    let mut t = target(&f, 0);
+    let e = run(&io, &mut t, &bad).unwrap_err();
+    assert!(
+        matches!(e, Error::TargetMismatch { .. }) && e.to_string().contains("restored to its base"),
+        "{e}"
+    );
+    assert_eq!(t.current, f.versions[0]);
+    assert_eq!(t.durable, f.versions[0]);
+    let s = status(&jpath(), io.clone()).unwrap();
+    assert_eq!(s.state.committed.map(|c| c.version), Some(0));
+    assert!(s.state.refit.is_none() && s.state.target_is_committed());
+    assert!(io.file_bytes(&undo_path(&jpath())).is_none());
+    // It stays refused; the right delta goes through.
+    assert!(run(&io, &mut t, &bad).is_err());
+    assert_eq!(t.current, f.versions[0]);
+    resume_and_check(&io, &mut t, &f, 0, "after a rollback");
+}
+
+#[test]
+fn a_crash_during_a_rollback_finishes_the_rollback() {
+    let f = fixture(ChangeKind::Xor);
+    let mut bad = f.deltas[0].clone();
+    bad.trailer.tensor_digests[0][3] ^= 1;
+    bad.header.target_digest = f.layout.checkpoint_digest(&bad.trailer.tensor_digests);
+    let io = SimIo::new();
+    let mut t = target(&f, 0);
+    let n_batches = f.deltas[0].chunks.len().div_ceil(4) as u64;
+    t.fail_flush(n_batches); // the rollback's flush
+    assert!(run(&io, &mut t, &bad).is_err());
+    t.crash(TargetCrash::Mix(3));
+    let s = status(&jpath(), io.clone()).unwrap();
+    assert!(s
+        .state
+        .refit
+        .as_ref()
+        .unwrap()
+        .chunks
+        .iter()
+        .all(|&c| c == ChunkState::Applied));
+    assert!(matches!(run(&io, &mut t, &bad), Err(Error::TargetMismatch { .. })));
+    assert_eq!(t.current, f.versions[0]);
+}
+
+#[test]
+fn files_on_disk_resume_and_report_status() {
+    use dcr_core::files;
+    let dir = tempfile::tempdir().unwrap();
+    let f = fixture(ChangeKind::Xor);
+    let write = |path: &Path, bufs: &Vec<Vec<u8>>| {
+        let mut header = String::from("{");
+        let mut off = 0;
+        for (i, (t, b)) in f.layout.tensors().iter().zip(bufs).enumerate() {
+            let shape: Vec<String> = t.shape.iter().map(u64::to_string).collect();
+            header += &format!(
+                "{}\"{}\":{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{},{}]}}",
+                if i > 0 { "," } else { "" },
+                t.name,
+                t.dtype.name(),
+                shape.join(","),
+                off,
+                off + b.len()
+            );
+            off += b.len();
+        }
+        header += "}";
+        while header.len() % 8 != 0 {
+            header.push(' ');
+        }
+        let mut out = (header.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(header.as_bytes());
+        for b in bufs {
+            out.extend_from_slice(b);
+        }
+        std::fs::write(path, out).unwrap();
+    };
+    let (p0, p1, tgt) = (
+        dir.path().join("v0.st"),
+        dir.path().join("v1.st"),
+        dir.path().join("replica.st"),
+    );
+    write(&p0, &f.versions[0]);
+    write(&p1, &f.versions[1]);
+    write(&tgt, &f.versions[0]);
+    let dp = dir.path().join("01.dcr");
+    let o = DiffOptions {
+        chunk_bytes: 256,
+        base_version: 0,
+        target_version: 1,
+        ..Default::default()
+    };
+    files::diff_files(&p0, &p1, &dp, &o, &mut |_, _| {}).unwrap();
+    let st = receiver::status_file(&tgt, None).unwrap();
+    assert!(
+        !st.exists && !receiver::default_journal_path(&tgt).exists(),
+        "status creates nothing"
+    );
+    let out = receiver::refit_file(
+        &dp,
+        &tgt,
+        None,
+        &RefitOptions {
+            batch_chunks: 3,
+            batch_bytes: 1 << 20,
+        },
+    )
+    .unwrap();
+    assert!(matches!(out, RefitOutcome::Committed(_)), "{out:?}");
+    assert!(files::compare_files(&tgt, &p1).unwrap().is_empty());
+    let st = receiver::status_file(&tgt, None).unwrap();
+    assert_eq!(st.state.committed.unwrap().version, 1);
+    assert!(st.undo_bytes.is_none());
+    let again = receiver::refit_file(&dp, &tgt, None, &RefitOptions::default()).unwrap();
+    assert!(matches!(again, RefitOutcome::AlreadyAtTarget { version: 1, .. }));
+}
