@@ -4,11 +4,13 @@
 //! ([`checkpoint`]), the chunk codec ([`codec`]), the delta format
 //! ([`format`]), whole-checkpoint diff/apply ([`delta`], [`files`]) and the
 //! receiver's crash-safe commit journal ([`journal`]) and the resumable
-//! in-place refit built on it ([`receiver`]).
+//! in-place refit built on it ([`receiver`]); the publishing side's joint
+//! commit bookkeeping ([`commit`]).
 #![deny(unsafe_code)]
 
 pub mod checkpoint;
 pub mod codec;
+pub mod commit;
 pub mod delta;
 pub mod dtype;
 pub mod error;
