@@ -75,7 +75,7 @@ def test_apply_is_resumable_under_sigkill(model: tuple[list[Path], list[Path]], 
     t0 = time.perf_counter()
     assert "already at version 1" in _apply(delta, probe).stdout
     noop = time.perf_counter() - t0
-    lo, hi = 0.6 * noop, 1.3 * max(full, noop + 0.05)
+    lo, hi = 0.6 * noop, 1.2 * max(full, noop + 0.05)
 
     lock = threading.Lock()
     stats = {"kills": 0, "mid_refit": 0, "episodes": 0}
@@ -131,8 +131,11 @@ def test_apply_is_resumable_under_sigkill(model: tuple[list[Path], list[Path]], 
             if differing:
                 failures.append(f"worker {wid}: after resuming, tensors differ: {differing}")
                 return
-            again = _apply(delta, target)
-            if again.returncode != 0 or "already at version 1" not in again.stdout:
+            with lock:
+                n_done = stats["episodes"]
+            # A second apply is a no-op (checked on some episodes: each costs a process start).
+            again = _apply(delta, target) if n_done % 4 == 0 else None
+            if again is not None and (again.returncode != 0 or "already at version 1" not in again.stdout):
                 failures.append(f"worker {wid}: second apply was not a no-op: {again.stdout} {again.stderr}")
                 return
             st = dcr.receiver_status(target)
