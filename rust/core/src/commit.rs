@@ -76,10 +76,7 @@ pub struct Retention {
 
 impl Default for Retention {
     fn default() -> Self {
-        Retention {
-            max_deltas: 64,
-            max_bytes: u64::MAX,
-        }
+        Retention { max_deltas: 64, max_bytes: u64::MAX }
     }
 }
 
@@ -166,15 +163,12 @@ impl Ledger {
             self.known("register", v)?;
         }
         let lagging = committed.is_none_or(|c| c != self.head);
-        self.receivers
-            .insert(name.to_string(), ReceiverEntry { committed, lagging });
+        self.receivers.insert(name.to_string(), ReceiverEntry { committed, lagging });
         Ok(())
     }
 
     pub fn unregister(&mut self, name: &str) -> Result<ReceiverEntry> {
-        self.receivers
-            .remove(name)
-            .ok_or_else(|| refused("unregister", format!("no receiver {name:?}")))
+        self.receivers.remove(name).ok_or_else(|| refused("unregister", format!("no receiver {name:?}")))
     }
 
     /// Records that `name` committed `v` (after its digests verified, by a
@@ -190,10 +184,7 @@ impl Ledger {
             if v.version < c.version {
                 return Err(refused(
                     "report_commit",
-                    format!(
-                        "receiver {name:?} already committed v{}, it cannot go back to v{}",
-                        c.version, v.version
-                    ),
+                    format!("receiver {name:?} already committed v{}, it cannot go back to v{}", c.version, v.version),
                 ));
             }
         }
@@ -206,10 +197,7 @@ impl Ledger {
 
     /// Excludes `name` from the joint commit until it commits the head.
     pub fn mark_lagging(&mut self, name: &str) -> Result<()> {
-        let r = self
-            .receivers
-            .get_mut(name)
-            .ok_or_else(|| refused("mark_lagging", format!("no receiver {name:?}")))?;
+        let r = self.receivers.get_mut(name).ok_or_else(|| refused("mark_lagging", format!("no receiver {name:?}")))?;
         r.lagging = true;
         Ok(())
     }
@@ -231,10 +219,7 @@ impl Ledger {
 
     /// Active receivers that have not committed the head yet.
     pub fn pending(&self) -> Vec<String> {
-        self.active()
-            .filter(|(_, r)| r.committed != Some(self.head))
-            .map(|(n, _)| n.clone())
-            .collect()
+        self.active().filter(|(_, r)| r.committed != Some(self.head)).map(|(n, _)| n.clone()).collect()
     }
 
     /// Publishes a delta from the baseline to a new version. Refused unless
@@ -280,15 +265,9 @@ impl Ledger {
 
     /// What `name` must do to reach the head.
     pub fn catch_up(&self, name: &str) -> Result<CatchUp> {
-        let r = self
-            .receivers
-            .get(name)
-            .ok_or_else(|| refused("catch_up", format!("no receiver {name:?}")))?;
+        let r = self.receivers.get(name).ok_or_else(|| refused("catch_up", format!("no receiver {name:?}")))?;
         let Some(c) = r.committed else {
-            return Ok(CatchUp::Dense {
-                head: self.head,
-                reason: "it has not committed any version".into(),
-            });
+            return Ok(CatchUp::Dense { head: self.head, reason: "it has not committed any version".into() });
         };
         if c == self.head {
             return Ok(CatchUp::UpToDate);
@@ -296,10 +275,7 @@ impl Ledger {
         if self.superseded.contains(&c.version) {
             return Ok(CatchUp::Dense {
                 head: self.head,
-                reason: format!(
-                    "its v{} was superseded: the other receivers never committed it",
-                    c.version
-                ),
+                reason: format!("its v{} was superseded: the other receivers never committed it", c.version),
             });
         }
         match self.chain.iter().position(|d| d.base == c) {
@@ -321,18 +297,10 @@ impl Ledger {
                 && !self.superseded.contains(&c.version)
                 && (c == &self.head || self.chain.iter().any(|d| &d.base == c))
         };
-        let oldest_needed = self
-            .receivers
-            .values()
-            .filter_map(|r| r.committed.filter(|c| on_chain(c)))
-            .map(|c| c.version)
-            .min();
+        let oldest_needed =
+            self.receivers.values().filter_map(|r| r.committed.filter(|c| on_chain(c))).map(|c| c.version).min();
         let mut keep_from = match oldest_needed {
-            Some(v) => self
-                .chain
-                .iter()
-                .position(|d| d.base.version >= v)
-                .unwrap_or(self.chain.len()),
+            Some(v) => self.chain.iter().position(|d| d.base.version >= v).unwrap_or(self.chain.len()),
             None => self.chain.len(),
         };
         let len = |from: usize| self.chain.len() - from;
@@ -375,26 +343,17 @@ impl LedgerStore {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(Error::io("read", &self.path, e)),
         };
-        let corrupt = |detail: String| Error::LedgerCorrupt {
-            path: self.path.clone(),
-            detail,
-        };
+        let corrupt = |detail: String| Error::LedgerCorrupt { path: self.path.clone(), detail };
         let f: LedgerFile = serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
         if f.format != LEDGER_FORMAT {
-            return Err(corrupt(format!(
-                "format is {:?}, this dcr reads {LEDGER_FORMAT:?}",
-                f.format
-            )));
+            return Err(corrupt(format!("format is {:?}, this dcr reads {LEDGER_FORMAT:?}", f.format)));
         }
         Ok(Some(f.ledger))
     }
 
     /// Writes the ledger atomically (temp file, fsync, rename, directory fsync).
     pub fn save(&self, ledger: &Ledger) -> Result<()> {
-        let f = LedgerFile {
-            format: LEDGER_FORMAT.into(),
-            ledger: ledger.clone(),
-        };
+        let f = LedgerFile { format: LEDGER_FORMAT.into(), ledger: ledger.clone() };
         let json =
             serde_json::to_vec_pretty(&f).map_err(|e| Error::Invalid(format!("cannot encode the ledger: {e}")))?;
         crate::files::write_atomically(&self.path, |w| {
@@ -433,10 +392,8 @@ mod versions_map {
     use serde::{de::Error as _, Deserialize, Deserializer, Serialize, Serializer};
 
     pub fn serialize<S: Serializer>(m: &BTreeMap<u64, [u8; 16]>, s: S) -> Result<S::Ok, S::Error> {
-        let v: BTreeMap<String, String> = m
-            .iter()
-            .map(|(k, d)| (k.to_string(), crate::checkpoint::digest_hex(d)))
-            .collect();
+        let v: BTreeMap<String, String> =
+            m.iter().map(|(k, d)| (k.to_string(), crate::checkpoint::digest_hex(d))).collect();
         v.serialize(s)
     }
 
@@ -444,9 +401,7 @@ mod versions_map {
         let v = BTreeMap::<String, String>::deserialize(d)?;
         v.into_iter()
             .map(|(k, h)| {
-                let k = k
-                    .parse()
-                    .map_err(|_| D::Error::custom(format!("version {k:?} is not a number")))?;
+                let k = k.parse().map_err(|_| D::Error::custom(format!("version {k:?} is not a number")))?;
                 let d = super::hex16::parse(&h).ok_or_else(|| D::Error::custom(format!("bad digest {h:?}")))?;
                 Ok((k, d))
             })
@@ -459,10 +414,7 @@ mod tests {
     use super::*;
 
     fn v(n: u64) -> Version {
-        Version {
-            version: n,
-            digest: [n as u8 ^ 0xa5; 16],
-        }
+        Version { version: n, digest: [n as u8 ^ 0xa5; 16] }
     }
 
     fn delta(a: u64, b: u64) -> DeltaEntry {
@@ -552,13 +504,7 @@ mod tests {
 
     #[test]
     fn retention_limits_drop_the_oldest_and_send_laggards_to_a_dense_refit() {
-        let mut l = Ledger::new(
-            v(0),
-            Retention {
-                max_deltas: 2,
-                max_bytes: u64::MAX,
-            },
-        );
+        let mut l = Ledger::new(v(0), Retention { max_deltas: 2, max_bytes: u64::MAX });
         l.register("a", Some(v(0))).unwrap();
         l.register("b", Some(v(0))).unwrap();
         l.mark_lagging("b").unwrap();
@@ -581,31 +527,15 @@ mod tests {
         l.publish(delta(0, 1)).unwrap();
         let mut wrong = v(1);
         wrong.digest[0] ^= 1;
-        assert!(l
-            .report_commit("a", wrong)
-            .unwrap_err()
-            .to_string()
-            .contains("different bits"));
-        assert!(l
-            .report_commit("a", v(7))
-            .unwrap_err()
-            .to_string()
-            .contains("never published"));
+        assert!(l.report_commit("a", wrong).unwrap_err().to_string().contains("different bits"));
+        assert!(l.report_commit("a", v(7)).unwrap_err().to_string().contains("never published"));
         assert!(l.report_commit("nobody", v(1)).is_err());
         l.report_commit("a", v(1)).unwrap();
-        assert!(l
-            .report_commit("a", v(0))
-            .unwrap_err()
-            .to_string()
-            .contains("cannot go back"));
+        assert!(l.report_commit("a", v(0)).unwrap_err().to_string().contains("cannot go back"));
         assert!(l.register("a", None).is_err());
         l.register("new", None).unwrap();
         assert!(matches!(l.catch_up("new").unwrap(), CatchUp::Dense { .. }));
-        assert_eq!(
-            l.baseline(),
-            v(1),
-            "a receiver with no version does not hold the baseline back"
-        );
+        assert_eq!(l.baseline(), v(1), "a receiver with no version does not hold the baseline back");
         l.unregister("new").unwrap();
         assert!(l.unregister("new").is_err());
     }

@@ -127,13 +127,7 @@ pub struct MemTarget {
 impl MemTarget {
     pub fn new(layout: Layout, buffers: Vec<Vec<u8>>) -> Result<Self> {
         layout.check_buffers(buffers.iter().map(Vec::len))?;
-        Ok(MemTarget {
-            layout,
-            durable: buffers.clone(),
-            current: buffers,
-            flushes: 0,
-            fail_flush: None,
-        })
+        Ok(MemTarget { layout, durable: buffers.clone(), current: buffers, flushes: 0, fail_flush: None })
     }
     /// Number of `flush_ranges` calls so far.
     pub fn flushes(&self) -> u64 {
@@ -200,7 +194,7 @@ impl RefitTarget for MemTarget {
 /// First 8 bytes of an undo file.
 pub const UNDO_MAGIC: [u8; 8] = *b"DCRUNDO\0";
 pub const UNDO_VERSION: u16 = 1;
-/// magic 8 | version u16 | flags u16 | delta_id [16] | crc32c u32.
+/// `magic 8 | version u16 | flags u16 | delta_id [16] | crc32c u32`.
 pub const UNDO_HEADER_LEN: usize = 32;
 /// seq u32 | len u32 | ... | crc32c u32.
 const UNDO_ENTRY_OVERHEAD: usize = 12;
@@ -234,28 +228,16 @@ struct UndoScan {
 }
 
 fn undo_corrupt(path: &Path, offset: usize, detail: String) -> Error {
-    Error::JournalCorrupt {
-        path: path.to_path_buf(),
-        offset: offset as u64,
-        detail,
-    }
+    Error::JournalCorrupt { path: path.to_path_buf(), offset: offset as u64, detail }
 }
 
 fn scan_undo(path: &Path, bytes: Vec<u8>, delta_id: &Digest) -> Result<UndoScan> {
     if bytes.len() < UNDO_HEADER_LEN || bytes[..8] != UNDO_MAGIC {
-        return Err(undo_corrupt(
-            path,
-            0,
-            "not a dcr pre-image (undo) file: bad magic or too short".into(),
-        ));
+        return Err(undo_corrupt(path, 0, "not a dcr pre-image (undo) file: bad magic or too short".into()));
     }
     let version = u16::from_le_bytes([bytes[8], bytes[9]]);
     if version != UNDO_VERSION {
-        return Err(Error::JournalVersion {
-            path: path.to_path_buf(),
-            found: version,
-            supported: UNDO_VERSION,
-        });
+        return Err(Error::JournalVersion { path: path.to_path_buf(), found: version, supported: UNDO_VERSION });
     }
     let crc = u32::from_le_bytes(bytes[28..32].try_into().expect("4"));
     if crc != crc32c::crc32c(&bytes[..28]) {
@@ -290,44 +272,27 @@ fn scan_undo(path: &Path, bytes: Vec<u8>, delta_id: &Digest) -> Result<UndoScan>
         entries.entry(seq).or_insert(pos + 8..end);
         pos = end + 4;
     }
-    Ok(UndoScan {
-        bytes,
-        entries,
-        valid_end: pos,
-    })
+    Ok(UndoScan { bytes, entries, valid_end: pos })
 }
 
 impl<I: JournalIo> UndoLog<I> {
     fn ioerr(path: &Path, op: &'static str, e: std::io::Error) -> Error {
-        Error::JournalIo {
-            path: path.to_path_buf(),
-            op,
-            source: e,
-        }
+        Error::JournalIo { path: path.to_path_buf(), op, source: e }
     }
 
     /// Creates a fresh undo file for `delta_id` (truncating an old one),
     /// durable with its directory entry when this returns.
     fn create(mut io: I, path: PathBuf, delta_id: &Digest) -> Result<Self> {
-        let mut file = io
-            .create(&path)
-            .map_err(|e| Self::ioerr(&path, "create undo file", e))?;
+        let mut file = io.create(&path).map_err(|e| Self::ioerr(&path, "create undo file", e))?;
         let h = undo_header(delta_id);
-        file.write_at(0, &h)
-            .map_err(|e| Self::ioerr(&path, "write undo header", e))?;
+        file.write_at(0, &h).map_err(|e| Self::ioerr(&path, "write undo header", e))?;
         file.sync_data().map_err(|e| Self::ioerr(&path, "sync undo file", e))?;
         let dir = match path.parent() {
             Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
             _ => PathBuf::from("."),
         };
-        io.sync_dir(&dir)
-            .map_err(|e| Self::ioerr(&path, "sync undo directory", e))?;
-        Ok(UndoLog {
-            io,
-            path,
-            file,
-            end: UNDO_HEADER_LEN as u64,
-        })
+        io.sync_dir(&dir).map_err(|e| Self::ioerr(&path, "sync undo directory", e))?;
+        Ok(UndoLog { io, path, file, end: UNDO_HEADER_LEN as u64 })
     }
 
     /// Opens the undo file of the refit in flight; every chunk in `needed`
@@ -350,8 +315,7 @@ impl<I: JournalIo> UndoLog<I> {
         }
         let mut file = io.open(&path).map_err(|e| Self::ioerr(&path, "open undo file", e))?;
         if found.valid_end < found.bytes.len() {
-            file.set_len(found.valid_end as u64)
-                .map_err(|e| Self::ioerr(&path, "truncate undo tail", e))?;
+            file.set_len(found.valid_end as u64).map_err(|e| Self::ioerr(&path, "truncate undo tail", e))?;
             file.sync_data().map_err(|e| Self::ioerr(&path, "sync undo file", e))?;
         }
         let end = found.valid_end as u64;
@@ -376,19 +340,14 @@ impl<I: JournalIo> UndoLog<I> {
             let _ = self.file.set_len(self.end);
             return Err(Self::ioerr(&self.path, "write pre-images", e));
         }
-        self.file
-            .sync_data()
-            .map_err(|e| Self::ioerr(&self.path, "sync pre-images", e))?;
+        self.file.sync_data().map_err(|e| Self::ioerr(&self.path, "sync pre-images", e))?;
         self.end += buf.len() as u64;
         Ok(())
     }
 
     fn read_all(&mut self, delta_id: &Digest) -> Result<UndoScan> {
-        let bytes = self
-            .io
-            .read(&self.path)
-            .map_err(|e| Self::ioerr(&self.path, "read undo file", e))?
-            .unwrap_or_default();
+        let bytes =
+            self.io.read(&self.path).map_err(|e| Self::ioerr(&self.path, "read undo file", e))?.unwrap_or_default();
         scan_undo(&self.path, bytes, delta_id)
     }
 
@@ -412,10 +371,7 @@ pub struct RefitOptions {
 
 impl Default for RefitOptions {
     fn default() -> Self {
-        RefitOptions {
-            batch_chunks: 256,
-            batch_bytes: 256 << 20,
-        }
+        RefitOptions { batch_chunks: 256, batch_bytes: 256 << 20 }
     }
 }
 
@@ -515,15 +471,7 @@ fn prepare<'d>(delta: &'d Delta, layout: &Layout, seqs: &[u32]) -> Result<Vec<Pr
                 Encoding::Sparse | Encoding::Bitmap => Some(decoded.to_changes().positions),
                 Encoding::Dense | Encoding::Raw => None,
             };
-            Ok(Prepared {
-                seq,
-                tensor,
-                range,
-                width,
-                frame,
-                decoded,
-                positions,
-            })
+            Ok(Prepared { seq, tensor, range, width, frame, decoded, positions })
         })
         .collect::<Result<_>>()?;
     out.sort_by_key(|p| (p.tensor, p.range.start));
@@ -547,11 +495,7 @@ fn split<'t>(targets: Vec<&'t mut [u8]>, items: &[&Prepared<'_>]) -> Vec<&'t mut
 }
 
 fn transition(journal: &Path, op: &'static str, detail: String) -> Error {
-    Error::JournalTransition {
-        path: journal.to_path_buf(),
-        op,
-        detail,
-    }
+    Error::JournalTransition { path: journal.to_path_buf(), op, detail }
 }
 
 /// Applies `delta` to `target` under the journal at `journal_path` (created
@@ -590,11 +534,7 @@ pub fn refit<I: JournalIo + Clone>(
         if r.plan == plan {
             resumed = true;
         } else if r.touched() == 0 {
-            j.abort(&format!(
-                "superseded by delta {} to version {}",
-                hex(&h.delta_id),
-                h.target_version
-            ))?;
+            j.abort(&format!("superseded by delta {} to version {}", hex(&h.delta_id), h.target_version))?;
         } else {
             return Err(transition(
                 journal_path,
@@ -649,9 +589,7 @@ pub fn refit<I: JournalIo + Clone>(
     }
 
     let r = j.state().refit.clone().expect("a refit is in flight");
-    let touched: Vec<u32> = (0..plan.n_chunks)
-        .filter(|&s| r.chunks[s as usize] != ChunkState::NotStarted)
-        .collect();
+    let touched: Vec<u32> = (0..plan.n_chunks).filter(|&s| r.chunks[s as usize] != ChunkState::NotStarted).collect();
     let (mut undo, stored) = if touched.is_empty() {
         (UndoLog::create(io.clone(), upath.clone(), &h.delta_id)?, None)
     } else {
@@ -659,9 +597,7 @@ pub fn refit<I: JournalIo + Clone>(
         (u, Some(s))
     };
 
-    let todo: Vec<u32> = (0..plan.n_chunks)
-        .filter(|&s| r.chunks[s as usize] != ChunkState::Applied)
-        .collect();
+    let todo: Vec<u32> = (0..plan.n_chunks).filter(|&s| r.chunks[s as usize] != ChunkState::Applied).collect();
     let skipped = plan.n_chunks - todo.len() as u32;
     let prepared = match fresh_prepared {
         Some(p) => p,
@@ -685,17 +621,10 @@ pub fn refit<I: JournalIo + Clone>(
         start = end;
         let state = |p: &Prepared<'_>| r.chunks[p.seq as usize];
         // 1. Pre-images of the chunks not started yet, durable first.
-        let fresh: Vec<&Prepared<'_>> = batch
-            .iter()
-            .copied()
-            .filter(|p| state(p) == ChunkState::NotStarted)
-            .collect();
+        let fresh: Vec<&Prepared<'_>> = batch.iter().copied().filter(|p| state(p) == ChunkState::NotStarted).collect();
         let entries: Vec<(u32, Vec<u8>)> = {
             let bufs = target.buffers();
-            fresh
-                .par_iter()
-                .map(|p| (p.seq, p.capture(&bufs[p.tensor][p.range.clone()])))
-                .collect()
+            fresh.par_iter().map(|p| (p.seq, p.capture(&bufs[p.tensor][p.range.clone()]))).collect()
         };
         undo.append(&entries)?;
         let pre: HashMap<u32, &[u8]> = match &stored {
@@ -774,11 +703,7 @@ pub fn refit<I: JournalIo + Clone>(
     }
     roll_back(&mut j, &mut undo, delta, &layout, target, &plan)?;
     undo.remove();
-    Err(Error::TargetMismatch {
-        count: bad.len(),
-        first: bad[0].clone(),
-        tensors: bad,
-    })
+    Err(Error::TargetMismatch { count: bad.len(), first: bad[0].clone(), tensors: bad })
 }
 
 /// Restores every chunk's pre-image (idempotent, so a crash in here is
@@ -799,18 +724,8 @@ fn roll_back<I: JournalIo + Clone>(
         j.abort(&format!("roll back failed: {detail}"))?;
         Err(Error::RollbackIncomplete { detail })
     };
-    if let Some(p) = prepared
-        .iter()
-        .find(|p| stored.entries.get(&p.seq).is_none_or(|r| r.len() != p.preimage_len()))
-    {
-        return fail(
-            j,
-            format!(
-                "the pre-image of chunk {} is missing from {}",
-                p.seq,
-                undo.path.display()
-            ),
-        );
+    if let Some(p) = prepared.iter().find(|p| stored.entries.get(&p.seq).is_none_or(|r| r.len() != p.preimage_len())) {
+        return fail(j, format!("the pre-image of chunk {} is missing from {}", p.seq, undo.path.display()));
     }
     let items: Vec<&Prepared<'_>> = prepared.iter().collect();
     {
@@ -852,16 +767,20 @@ pub struct ReceiverStatus {
 
 /// Reads the journal at `journal_path` (and its undo file) read-only: no
 /// torn tail is cut, nothing is created.
-pub fn status<I: JournalIo>(journal_path: &Path, mut io: I) -> Result<ReceiverStatus> {
-    let ioerr = |op, e| Error::JournalIo {
-        path: journal_path.to_path_buf(),
-        op,
-        source: e,
+pub fn status<I: JournalIo>(journal_path: &Path, io: I) -> Result<ReceiverStatus> {
+    status_inner(journal_path, io, None)
+}
+
+fn status_inner<I: JournalIo>(
+    journal_path: &Path,
+    mut io: I,
+    undo_size: Option<Option<u64>>,
+) -> Result<ReceiverStatus> {
+    let ioerr = |op, e| Error::JournalIo { path: journal_path.to_path_buf(), op, source: e };
+    let undo_bytes = match undo_size {
+        Some(size) => size,
+        None => io.read(&undo_path(journal_path)).map_err(|e| ioerr("read undo file", e))?.map(|b| b.len() as u64),
     };
-    let undo_bytes = io
-        .read(&undo_path(journal_path))
-        .map_err(|e| ioerr("read undo file", e))?
-        .map(|b| b.len() as u64);
     let Some(bytes) = io.read(journal_path).map_err(|e| ioerr("read", e))? else {
         return Ok(ReceiverStatus {
             journal: journal_path.to_path_buf(),
@@ -874,26 +793,15 @@ pub fn status<I: JournalIo>(journal_path: &Path, mut io: I) -> Result<ReceiverSt
     let found = scan(journal_path, &bytes)?;
     let mut state = ReceiverState::default();
     for raw in &found.records {
-        let corrupt = |detail: String| Error::JournalCorrupt {
-            path: journal_path.to_path_buf(),
-            offset: raw.offset,
-            detail,
-        };
+        let corrupt =
+            |detail: String| Error::JournalCorrupt { path: journal_path.to_path_buf(), offset: raw.offset, detail };
         let rec =
             Record::decode(&raw.payload).map_err(|d| corrupt(format!("the record there cannot be decoded: {d}")))?;
         state.apply(&rec).map_err(|d| {
-            corrupt(format!(
-                "the record there ({rec}) does not follow from the records before it: {d}"
-            ))
+            corrupt(format!("the record there ({rec}) does not follow from the records before it: {d}"))
         })?;
     }
-    Ok(ReceiverStatus {
-        journal: journal_path.to_path_buf(),
-        exists: true,
-        state,
-        torn_tail: found.torn,
-        undo_bytes,
-    })
+    Ok(ReceiverStatus { journal: journal_path.to_path_buf(), exists: true, state, torn_tail: found.torn, undo_bytes })
 }
 
 // ---------------------------------------------------------------- files
@@ -908,18 +816,21 @@ pub fn refit_file(
 ) -> Result<RefitOutcome> {
     let (delta, _) = crate::files::read_delta_file(delta_path)?;
     let mut ck = WritableCheckpoint::open_rw(target)?;
-    let jpath = journal
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| default_journal_path(target));
+    let jpath = journal.map(Path::to_path_buf).unwrap_or_else(|| default_journal_path(target));
     refit(&jpath, StdIo, &delta, &mut ck, opts)
 }
 
 /// [`status`] of the receiver whose target is `target`.
 pub fn status_file(target: &Path, journal: Option<&Path>) -> Result<ReceiverStatus> {
-    let jpath = journal
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| default_journal_path(target));
-    status(&jpath, StdIo)
+    let jpath = journal.map(Path::to_path_buf).unwrap_or_else(|| default_journal_path(target));
+    // The undo file's size from its metadata: it can be large.
+    let undo = undo_path(&jpath);
+    let size = match std::fs::metadata(&undo) {
+        Ok(m) => Some(m.len()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(Error::JournalIo { path: undo, op: "stat undo file", source: e }),
+    };
+    status_inner(&jpath, StdIo, Some(size))
 }
 
 #[cfg(test)]
@@ -928,10 +839,7 @@ mod tests {
 
     #[test]
     fn paths_and_ranges() {
-        assert_eq!(
-            default_journal_path(Path::new("/m/model.safetensors")),
-            PathBuf::from("/m/model.safetensors.dcrj")
-        );
+        assert_eq!(default_journal_path(Path::new("/m/model.safetensors")), PathBuf::from("/m/model.safetensors.dcrj"));
         assert_eq!(undo_path(Path::new("/m/x.dcrj")), PathBuf::from("/m/x.dcrj.undo"));
         let m = merge_ranges(&[(0, 0..4), (0, 4..8), (0, 9..10), (1, 0..2), (1, 1..3)]);
         assert_eq!(m, vec![(0, 0..8), (0, 9..10), (1, 0..3)]);

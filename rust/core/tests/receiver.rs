@@ -40,47 +40,20 @@ fn rng(seed: u64) -> impl FnMut() -> u64 {
 /// 256-byte chunks (about 25 chunks each).
 fn fixture(kind: ChangeKind) -> Fixture {
     let specs = vec![
-        TensorSpec {
-            name: "a.weight".into(),
-            dtype: DType::from_name("BF16").unwrap(),
-            shape: vec![64, 32],
-        },
-        TensorSpec {
-            name: "b.bias".into(),
-            dtype: DType::from_name("F32").unwrap(),
-            shape: vec![300],
-        },
-        TensorSpec {
-            name: "c.mask".into(),
-            dtype: DType::from_name("U8").unwrap(),
-            shape: vec![50],
-        },
-        TensorSpec {
-            name: "d.scale".into(),
-            dtype: DType::from_name("BF16").unwrap(),
-            shape: vec![100],
-        },
+        TensorSpec { name: "a.weight".into(), dtype: DType::from_name("BF16").unwrap(), shape: vec![64, 32] },
+        TensorSpec { name: "b.bias".into(), dtype: DType::from_name("F32").unwrap(), shape: vec![300] },
+        TensorSpec { name: "c.mask".into(), dtype: DType::from_name("U8").unwrap(), shape: vec![50] },
+        TensorSpec { name: "d.scale".into(), dtype: DType::from_name("BF16").unwrap(), shape: vec![100] },
     ];
     let layout = Layout::new(specs).unwrap();
     let mut next = rng(0x5eed);
-    let v0: Vec<Vec<u8>> = layout
-        .tensors()
-        .iter()
-        .map(|t| (0..t.storage_bytes().unwrap()).map(|_| next() as u8).collect())
-        .collect();
+    let v0: Vec<Vec<u8>> =
+        layout.tensors().iter().map(|t| (0..t.storage_bytes().unwrap()).map(|_| next() as u8).collect()).collect();
     let step = |prev: &Vec<Vec<u8>>, next: &mut dyn FnMut() -> u64| -> Vec<Vec<u8>> {
         prev.iter()
             .enumerate()
             .map(|(i, t)| {
-                t.iter()
-                    .map(|&b| {
-                        if i == 3 || next() % 100 < 4 {
-                            b ^ ((next() as u8) | 1)
-                        } else {
-                            b
-                        }
-                    })
-                    .collect()
+                t.iter().map(|&b| if i == 3 || next() % 100 < 4 { b ^ ((next() as u8) | 1) } else { b }).collect()
             })
             .collect()
     };
@@ -114,18 +87,11 @@ fn fixture(kind: ChangeKind) -> Fixture {
             read_delta(&out).unwrap()
         })
         .collect();
-    Fixture {
-        layout,
-        versions,
-        deltas,
-    }
+    Fixture { layout, versions, deltas }
 }
 
 fn opts() -> RefitOptions {
-    RefitOptions {
-        batch_chunks: 4,
-        batch_bytes: u64::MAX,
-    }
+    RefitOptions { batch_chunks: 4, batch_bytes: u64::MAX }
 }
 
 fn target(f: &Fixture, v: usize) -> MemTarget {
@@ -157,23 +123,14 @@ fn resume_and_check(io: &SimIo, t: &mut MemTarget, f: &Fixture, from: usize, lab
     }
     let last = f.versions.last().unwrap();
     assert!(&t.current == last, "{label}: target differs from the last version");
-    assert!(
-        &t.durable == last,
-        "{label}: durable target differs from the last version"
-    );
+    assert!(&t.durable == last, "{label}: durable target differs from the last version");
     let s = status(&jpath(), io.clone()).unwrap();
     assert_eq!(s.state.committed.map(|c| c.version), Some(2), "{label}");
     assert!(s.state.refit.is_none(), "{label}: refit still in flight");
-    assert!(
-        io.file_bytes(&undo_path(&jpath())).is_none(),
-        "{label}: undo file left behind"
-    );
+    assert!(io.file_bytes(&undo_path(&jpath())).is_none(), "{label}: undo file left behind");
     // Rerun after success: a no-op.
     let again = run(io, t, f.deltas.last().unwrap()).unwrap();
-    assert!(
-        matches!(again, RefitOutcome::AlreadyAtTarget { version: 2, .. }),
-        "{label}: {again:?}"
-    );
+    assert!(matches!(again, RefitOutcome::AlreadyAtTarget { version: 2, .. }), "{label}: {again:?}");
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -218,18 +175,11 @@ fn fail_each(kind: ChangeKind, fault: Fault) -> u64 {
                     t.crash(TargetCrash::DropUnflushed);
                 }
                 (_, 2) => {
-                    io.crash(Crash::KeepPending {
-                        ops: (n % 3) as usize,
-                        torn_bytes: 5,
-                    });
+                    io.crash(Crash::KeepPending { ops: (n % 3) as usize, torn_bytes: 5 });
                     t.crash(TargetCrash::Mix(n + 7));
                 }
                 _ => {
-                    io.crash(Crash::Reorder {
-                        mask: 0xa5a5_5a5a ^ n,
-                        torn_op: (n % 4) as usize,
-                        torn_bytes: 3,
-                    });
+                    io.crash(Crash::Reorder { mask: 0xa5a5_5a5a ^ n, torn_op: (n % 4) as usize, torn_bytes: 3 });
                     t.crash(TargetCrash::Mix(n * 31 + 1));
                 }
             }
@@ -270,6 +220,61 @@ fn overwrite_deltas_resume_too() {
     assert!(fail_each(ChangeKind::Overwrite, Fault::PowerCut) > 20);
 }
 
+/// Many crashes in a row, at random operations, with random crash modes:
+/// repairs of repairs, crashes during resumes, crashes in the commit.
+#[test]
+fn repeated_crashes_still_end_bit_exact() {
+    let mut total = 0;
+    for kind in [ChangeKind::Xor, ChangeKind::Overwrite] {
+        let f = fixture(kind);
+        for seed in 0..24u64 {
+            let mut next = rng(seed * 7919 + 13);
+            let io = SimIo::new();
+            let mut t = target(&f, 0);
+            let mut at = 0;
+            let mut crashes = 0;
+            while at < f.deltas.len() {
+                assert!(crashes < 200, "seed {seed}: no progress");
+                let armed = next() % 4 != 0;
+                if armed {
+                    io.power_cut_at_op(io.counts().ops + 1 + next() % 60);
+                }
+                match run(&io, &mut t, &f.deltas[at]) {
+                    Ok(_) => {
+                        io.clear_faults();
+                        at += 1;
+                    }
+                    Err(e) => {
+                        assert!(armed, "seed {seed}: failed without a fault: {e}");
+                        crashes += 1;
+                        match next() % 3 {
+                            0 => {
+                                io.crash(Crash::DropUnsynced);
+                                t.crash(TargetCrash::DropUnflushed);
+                            }
+                            1 => {
+                                io.crash(Crash::KeepPending { ops: (next() % 4) as usize, torn_bytes: 6 });
+                                t.crash(TargetCrash::Mix(next()));
+                            }
+                            _ => {
+                                io.crash(Crash::Reorder {
+                                    mask: next(),
+                                    torn_op: (next() % 5) as usize,
+                                    torn_bytes: 2,
+                                });
+                                t.crash(TargetCrash::Mix(next()));
+                            }
+                        }
+                    }
+                }
+            }
+            resume_and_check(&io, &mut t, &f, f.deltas.len(), &format!("{kind:?} seed {seed} ({crashes} crashes)"));
+            total += crashes;
+        }
+    }
+    assert!(total > 100, "only {total} crashes");
+}
+
 /// A refit of delta 0->1 interrupted after a few batches (a failed sync):
 /// some chunks applied, some in progress, the rest not started.
 fn interrupted(f: &Fixture) -> (SimIo, MemTarget) {
@@ -282,11 +287,7 @@ fn interrupted(f: &Fixture) -> (SimIo, MemTarget) {
     io.clear_faults();
     let s = status(&jpath(), io.clone()).unwrap();
     let r = s.state.refit.expect("refit in flight");
-    assert!(
-        !r.applied().is_empty() && !r.needs_repair().is_empty() && !r.not_started().is_empty(),
-        "{:?}",
-        r.chunks
-    );
+    assert!(!r.applied().is_empty() && !r.needs_repair().is_empty() && !r.not_started().is_empty(), "{:?}", r.chunks);
     (io, t)
 }
 
@@ -338,11 +339,7 @@ fn a_corrupt_journal_record_is_a_clear_error_and_nothing_is_touched() {
     assert!(m.contains("model.safetensors.dcrj") && m.contains("dense refit"), "{m}");
     assert!(status(&jpath(), io.clone()).is_err());
     assert_eq!(t.current, before);
-    assert_eq!(
-        io.file_bytes(&jpath()).unwrap(),
-        bytes,
-        "the corrupt journal is kept as evidence"
-    );
+    assert_eq!(io.file_bytes(&jpath()).unwrap(), bytes, "the corrupt journal is kept as evidence");
 }
 
 #[test]
@@ -374,10 +371,7 @@ fn a_wrong_base_delta_is_refused_untouched() {
     let mut junk = target(&f, 0);
     junk.current[0][0] ^= 1;
     let before = junk.current.clone();
-    assert!(matches!(
-        run(&io, &mut junk, &f.deltas[0]),
-        Err(Error::BaseMismatch { .. })
-    ));
+    assert!(matches!(run(&io, &mut junk, &f.deltas[0]), Err(Error::BaseMismatch { .. })));
     assert_eq!(junk.current, before);
 }
 
@@ -391,10 +385,7 @@ fn a_replayed_old_delta_is_refused_untouched_and_a_repeat_is_a_no_op() {
     let m = e.to_string();
     assert!(matches!(e, Error::BaseMismatch { .. }) && m.contains("holds v2"), "{m}");
     assert_eq!(t.current, f.versions[2]);
-    assert!(matches!(
-        run(&io, &mut t, &f.deltas[1]).unwrap(),
-        RefitOutcome::AlreadyAtTarget { version: 2, .. }
-    ));
+    assert!(matches!(run(&io, &mut t, &f.deltas[1]).unwrap(), RefitOutcome::AlreadyAtTarget { version: 2, .. }));
     assert_eq!(t.current, f.versions[2]);
 }
 
@@ -404,10 +395,7 @@ fn another_delta_is_refused_while_a_touching_refit_is_in_flight() {
     let (io, mut t) = interrupted(&f);
     let before = t.current.clone();
     let e = run(&io, &mut t, &f.deltas[1]).unwrap_err();
-    assert!(
-        matches!(e, Error::JournalTransition { .. }) && e.to_string().contains("in flight"),
-        "{e}"
-    );
+    assert!(matches!(e, Error::JournalTransition { .. }) && e.to_string().contains("in flight"), "{e}");
     assert_eq!(t.current, before);
     resume_and_check(&io, &mut t, &f, 0, "after a refused competitor");
 }
@@ -424,10 +412,7 @@ fn a_full_disk_fails_cleanly_and_resumes_after_space_is_freed() {
         io.set_capacity(Some(io.used_bytes() + room));
         if let Some((failed, e)) = run_all(&io, &mut t, &f) {
             assert!(e.is_disk_full(), "room {room}: {e}");
-            assert!(
-                e.to_string().contains("disk is full") || matches!(e, Error::JournalIo { .. }),
-                "{e}"
-            );
+            assert!(e.to_string().contains("disk is full") || matches!(e, Error::JournalIo { .. }), "{e}");
             hit += 1;
             io.set_capacity(None);
             resume_and_check(&io, &mut t, &f, failed, &format!("room {room}"));
@@ -446,10 +431,7 @@ fn a_delta_that_fails_verification_is_rolled_back_to_the_committed_version() {
     let io = SimIo::new();
     let mut t = target(&f, 0);
     let e = run(&io, &mut t, &bad).unwrap_err();
-    assert!(
-        matches!(e, Error::TargetMismatch { .. }) && e.to_string().contains("restored to its base"),
-        "{e}"
-    );
+    assert!(matches!(e, Error::TargetMismatch { .. }) && e.to_string().contains("restored to its base"), "{e}");
     assert_eq!(t.current, f.versions[0]);
     assert_eq!(t.durable, f.versions[0]);
     let s = status(&jpath(), io.clone()).unwrap();
@@ -475,14 +457,7 @@ fn a_crash_during_a_rollback_finishes_the_rollback() {
     assert!(run(&io, &mut t, &bad).is_err());
     t.crash(TargetCrash::Mix(3));
     let s = status(&jpath(), io.clone()).unwrap();
-    assert!(s
-        .state
-        .refit
-        .as_ref()
-        .unwrap()
-        .chunks
-        .iter()
-        .all(|&c| c == ChunkState::Applied));
+    assert!(s.state.refit.as_ref().unwrap().chunks.iter().all(|&c| c == ChunkState::Applied));
     assert!(matches!(run(&io, &mut t, &bad), Err(Error::TargetMismatch { .. })));
     assert_eq!(t.current, f.versions[0]);
 }
@@ -519,37 +494,16 @@ fn files_on_disk_resume_and_report_status() {
         }
         std::fs::write(path, out).unwrap();
     };
-    let (p0, p1, tgt) = (
-        dir.path().join("v0.st"),
-        dir.path().join("v1.st"),
-        dir.path().join("replica.st"),
-    );
+    let (p0, p1, tgt) = (dir.path().join("v0.st"), dir.path().join("v1.st"), dir.path().join("replica.st"));
     write(&p0, &f.versions[0]);
     write(&p1, &f.versions[1]);
     write(&tgt, &f.versions[0]);
     let dp = dir.path().join("01.dcr");
-    let o = DiffOptions {
-        chunk_bytes: 256,
-        base_version: 0,
-        target_version: 1,
-        ..Default::default()
-    };
+    let o = DiffOptions { chunk_bytes: 256, base_version: 0, target_version: 1, ..Default::default() };
     files::diff_files(&p0, &p1, &dp, &o, &mut |_, _| {}).unwrap();
     let st = receiver::status_file(&tgt, None).unwrap();
-    assert!(
-        !st.exists && !receiver::default_journal_path(&tgt).exists(),
-        "status creates nothing"
-    );
-    let out = receiver::refit_file(
-        &dp,
-        &tgt,
-        None,
-        &RefitOptions {
-            batch_chunks: 3,
-            batch_bytes: 1 << 20,
-        },
-    )
-    .unwrap();
+    assert!(!st.exists && !receiver::default_journal_path(&tgt).exists(), "status creates nothing");
+    let out = receiver::refit_file(&dp, &tgt, None, &RefitOptions { batch_chunks: 3, batch_bytes: 1 << 20 }).unwrap();
     assert!(matches!(out, RefitOutcome::Committed(_)), "{out:?}");
     assert!(files::compare_files(&tgt, &p1).unwrap().is_empty());
     let st = receiver::status_file(&tgt, None).unwrap();
