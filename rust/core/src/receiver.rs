@@ -506,7 +506,7 @@ fn transition(journal: &Path, op: &'static str, detail: String) -> Error {
 /// Refused with the target untouched: a layout mismatch; a target whose
 /// digest is neither the delta's base nor its target (wrong base, replayed
 /// old delta); another delta while a refit that touched the target is in
-/// flight; a corrupt chunk payload (checked before anything is written).
+/// flight (unless the target's digest shows it was reloaded densely); a corrupt chunk payload (checked before anything is written).
 pub fn refit<I: JournalIo + Clone>(
     journal_path: &Path,
     io: I,
@@ -528,34 +528,44 @@ pub fn refit<I: JournalIo + Clone>(
     };
 
     // Is a refit of this delta in flight?
+    // A refit in flight: resume it, or see whether the target's bits (a
+    // dense reload, or writes lost in a power cut) say it can end.
     let mut resumed = false;
     let mut fresh_prepared = None;
+    let mut hashed = None;
     if let Some(r) = j.state().refit.clone() {
-        if r.plan == plan {
+        let found = layout.checkpoint_digest(&tensor_digests(&target.buffers()));
+        let whole = found == h.base_digest || found == h.target_digest;
+        if r.plan == plan && ((r.touched() == 0 && found == h.base_digest) || (r.touched() > 0 && !whole)) {
             resumed = true;
-        } else if r.touched() == 0 {
+        } else if r.plan != plan && r.touched() == 0 {
             j.abort(&format!("superseded by delta {} to version {}", hex(&h.delta_id), h.target_version))?;
-        } else {
+        } else if r.plan != plan && !whole {
             return Err(transition(
                 journal_path,
                 "refit",
                 format!(
-                    "the refit to version {} (delta {}) is in flight and has touched {} of its {} chunks: rerun with that delta to finish it (or to roll it back), or do a dense refit; delta {} to version {} was not applied and the target was not touched",
+                    "the refit to version {} (delta {}) is in flight and has touched {} of its {} chunks: rerun with that delta to finish it (or to roll it back), or reload the target densely; delta {} to version {} was not applied and the target (digest {}) was not touched",
                     r.plan.version,
                     hex(&r.plan.delta_id),
                     r.touched(),
                     r.plan.n_chunks,
                     hex(&h.delta_id),
-                    h.target_version
+                    h.target_version,
+                    digest_short(&found)
                 ),
             ));
         }
+        hashed = Some(found);
     }
 
     if !resumed {
-        // The target's own bits say which version it holds.
-        let digests = tensor_digests(&target.buffers());
-        let found = layout.checkpoint_digest(&digests);
+        // The target's own bits say which version it holds (a dense commit
+        // below ends a refit in flight that it replaced).
+        let found = match hashed {
+            Some(d) => d,
+            None => layout.checkpoint_digest(&tensor_digests(&target.buffers())),
+        };
         let st = j.state().clone();
         let proven = |d: &Digest| st.target_is_committed() && st.committed.is_some_and(|c| &c.digest == d);
         if found == h.target_digest {

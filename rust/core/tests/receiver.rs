@@ -401,6 +401,21 @@ fn another_delta_is_refused_while_a_touching_refit_is_in_flight() {
 }
 
 #[test]
+fn a_dense_reload_ends_a_refit_in_flight() {
+    let f = fixture(ChangeKind::Xor);
+    // Reloaded with the base: delta 0->1 starts over.
+    let (io, mut t) = interrupted(&f);
+    t.current = f.versions[0].clone();
+    let (io2, mut t2) = interrupted(&f);
+    assert!(matches!(run(&io, &mut t, &f.deltas[0]).unwrap(), RefitOutcome::Committed(r) if !r.resumed));
+    resume_and_check(&io, &mut t, &f, 1, "reloaded with v0");
+    // Reloaded with v1: delta 1->2 is accepted although 0->1 was in flight.
+    t2.current = f.versions[1].clone();
+    assert!(matches!(run(&io2, &mut t2, &f.deltas[1]).unwrap(), RefitOutcome::Committed(_)));
+    resume_and_check(&io2, &mut t2, &f, 1, "reloaded with v1");
+}
+
+#[test]
 fn a_full_disk_fails_cleanly_and_resumes_after_space_is_freed() {
     let f = fixture(ChangeKind::Xor);
     let mut hit = 0;
