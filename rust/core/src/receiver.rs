@@ -506,7 +506,8 @@ fn transition(journal: &Path, op: &'static str, detail: String) -> Error {
 /// Refused with the target untouched: a layout mismatch; a target whose
 /// digest is neither the delta's base nor its target (wrong base, replayed
 /// old delta); another delta while a refit that touched the target is in
-/// flight (unless the target's digest shows it was reloaded densely); a corrupt chunk payload (checked before anything is written).
+/// flight (unless the target's digest shows it was reloaded densely); a
+/// corrupt chunk payload (checked before anything is written).
 pub fn refit<I: JournalIo + Clone>(
     journal_path: &Path,
     io: I,
