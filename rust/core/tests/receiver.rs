@@ -527,3 +527,74 @@ fn files_on_disk_resume_and_report_status() {
     let again = receiver::refit_file(&dp, &tgt, None, &RefitOptions::default()).unwrap();
     assert!(matches!(again, RefitOutcome::AlreadyAtTarget { version: 1, .. }));
 }
+
+/// The joint commit end to end: a sender publishes deltas from its baseline,
+/// three receivers refit through their journals and report; one crashes,
+/// lags behind, and catches up through the retained chain.
+#[test]
+fn joint_commit_with_a_lagging_receiver_that_catches_up() {
+    use dcr_core::commit::{CatchUp, DeltaEntry, Ledger, Retention, Version};
+    let f = fixture(ChangeKind::Xor);
+    let ver = |d: &Delta, target: bool| {
+        let h = &d.header;
+        if target {
+            Version { version: h.target_version, digest: h.target_digest }
+        } else {
+            Version { version: h.base_version, digest: h.base_digest }
+        }
+    };
+    let entry = |i: usize| DeltaEntry {
+        base: ver(&f.deltas[i], false),
+        target: ver(&f.deltas[i], true),
+        delta_id: f.deltas[i].header.delta_id,
+        bytes: 1000,
+        location: format!("d{i}"),
+    };
+    let mut ledger = Ledger::new(ver(&f.deltas[0], false), Retention::default());
+    let names = ["r0", "r1", "r2"];
+    let ios: Vec<SimIo> = names.iter().map(|_| SimIo::new()).collect();
+    let mut targets: Vec<MemTarget> = names.iter().map(|_| target(&f, 0)).collect();
+    for n in names {
+        ledger.register(n, Some(ver(&f.deltas[0], false))).unwrap();
+    }
+    // Delta 0->1: r2 crashes mid-refit (power cut) and stays behind.
+    assert_eq!(ledger.baseline(), entry(0).base);
+    ledger.publish(entry(0)).unwrap();
+    for (i, n) in names.iter().enumerate() {
+        if i == 2 {
+            ios[i].power_cut_at_op(40);
+        }
+        match run(&ios[i], &mut targets[i], &f.deltas[0]) {
+            Ok(_) => ledger.report_commit(n, ver(&f.deltas[0], true)).unwrap(),
+            Err(_) => {
+                ios[i].crash(Crash::DropUnsynced);
+                targets[i].crash(TargetCrash::DropUnflushed);
+            }
+        }
+    }
+    assert_eq!(ledger.pending(), vec!["r2".to_string()]);
+    // The sender may not diff 1->2 while r2 holds the baseline at 0 ...
+    assert!(ledger.publish(entry(1)).is_err());
+    // ... so r2 is marked lagging, and 1->2 goes out.
+    ledger.mark_lagging("r2").unwrap();
+    assert_eq!(ledger.baseline(), entry(1).base);
+    ledger.publish(entry(1)).unwrap();
+    for (i, n) in names.iter().enumerate().take(2) {
+        run(&ios[i], &mut targets[i], &f.deltas[1]).unwrap();
+        ledger.report_commit(n, ver(&f.deltas[1], true)).unwrap();
+    }
+    assert!(ledger.collect_garbage().is_empty(), "r2 still needs 0->1");
+    // r2 catches up through the chain: resume 0->1, then 1->2.
+    let CatchUp::Deltas(plan) = ledger.catch_up("r2").unwrap() else { panic!() };
+    assert_eq!(plan.iter().map(|d| d.location.as_str()).collect::<Vec<_>>(), ["d0", "d1"]);
+    for d in &plan {
+        let i: usize = d.location[1..].parse().unwrap();
+        run(&ios[2], &mut targets[2], &f.deltas[i]).unwrap();
+        ledger.report_commit("r2", d.target).unwrap();
+    }
+    assert!(!ledger.receivers()["r2"].lagging);
+    assert_eq!(ledger.collect_garbage().len(), 2);
+    for t in &targets {
+        assert_eq!(t.current, f.versions[2]);
+    }
+}
