@@ -819,6 +819,58 @@ fn status_inner<I: JournalIo>(
 
 // ---------------------------------------------------------------- files
 
+/// The lock file of a journal: `<journal>.lock`.
+pub fn lock_path(journal: &Path) -> PathBuf {
+    let mut name = journal.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(".lock");
+    journal.with_file_name(name)
+}
+
+/// An exclusive advisory lock (`flock`) on `<journal>.lock`, held while a
+/// refit runs, so that a second process applying to the same target fails
+/// at once instead of racing the first (an XOR applied by both would undo
+/// itself). The kernel drops it when its holder exits, killed or not.
+#[derive(Debug)]
+pub struct RefitLock {
+    _file: std::fs::File,
+}
+
+impl RefitLock {
+    pub fn acquire(journal: &Path) -> Result<Self> {
+        let path = lock_path(journal);
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| Error::io("open lock file", &path, e))?;
+        #[cfg(unix)]
+        {
+            use std::os::fd::AsRawFd;
+            // Safety: flock only takes a file descriptor that `file` owns and
+            // keeps open; no memory is shared with the call.
+            #[allow(unsafe_code)]
+            let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+            if rc != 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::WouldBlock {
+                    return Err(transition(
+                        journal,
+                        "refit",
+                        format!(
+                            "another process is applying a delta to this target (it holds {}): wait for it to finish, then rerun",
+                            path.display()
+                        ),
+                    ));
+                }
+                return Err(Error::io("lock", &path, e));
+            }
+        }
+        Ok(RefitLock { _file: file })
+    }
+}
+
 /// Applies the delta file at `delta_path` in place to the safetensors file
 /// `target`, journaled at `journal` (default `<target>.dcrj`).
 pub fn refit_file(
@@ -830,6 +882,7 @@ pub fn refit_file(
     let (delta, _) = crate::files::read_delta_file(delta_path)?;
     let mut ck = WritableCheckpoint::open_rw(target)?;
     let jpath = journal.map(Path::to_path_buf).unwrap_or_else(|| default_journal_path(target));
+    let _lock = RefitLock::acquire(&jpath)?;
     refit(&jpath, StdIo, &delta, &mut ck, opts)
 }
 

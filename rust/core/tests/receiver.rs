@@ -526,6 +526,12 @@ fn files_on_disk_resume_and_report_status() {
     assert!(st.undo_bytes.is_none());
     let again = receiver::refit_file(&dp, &tgt, None, &RefitOptions::default()).unwrap();
     assert!(matches!(again, RefitOutcome::AlreadyAtTarget { version: 1, .. }));
+    // A second process on the same target is refused while the first runs.
+    let held = receiver::RefitLock::acquire(&receiver::default_journal_path(&tgt)).unwrap();
+    let e = receiver::refit_file(&dp, &tgt, None, &RefitOptions::default()).unwrap_err();
+    assert!(e.to_string().contains("another process"), "{e}");
+    drop(held);
+    assert!(receiver::refit_file(&dp, &tgt, None, &RefitOptions::default()).is_ok());
 }
 
 /// The joint commit end to end: a sender publishes deltas from its baseline,
