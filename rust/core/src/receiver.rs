@@ -530,7 +530,6 @@ pub fn refit<I: JournalIo + Clone>(
         n_chunks: delta.chunks.len() as u32,
     };
 
-    // Is a refit of this delta in flight?
     // A refit in flight: resume it, or see whether the target's bits (a
     // dense reload, or writes lost in a power cut) say it can end.
     let mut resumed = false;
@@ -570,9 +569,14 @@ pub fn refit<I: JournalIo + Clone>(
             None => layout.checkpoint_digest(&tensor_digests(&target.buffers())),
         };
         let st = j.state().clone();
-        let proven = |d: &Digest| st.target_is_committed() && st.committed.is_some_and(|c| &c.digest == d);
+        // Whether the journal already records the target as this version.
+        // Digests are the identity; a version number that differs is taken
+        // from the delta (deltas built without explicit versions all say 0->1).
+        let proven = |v: u64, d: &Digest| {
+            st.target_is_committed() && st.committed.is_some_and(|c| &c.digest == d && c.version == v)
+        };
         if found == h.target_digest {
-            if !proven(&found) {
+            if !proven(h.target_version, &found) {
                 j.commit_dense(h.target_version, found)?;
             }
             let _ = io.clone().remove(&upath);
@@ -593,7 +597,7 @@ pub fn refit<I: JournalIo + Clone>(
         // Decode (validate) every chunk before anything is recorded or written.
         let all: Vec<u32> = (0..plan.n_chunks).collect();
         fresh_prepared = Some(prepare(delta, &layout, &all)?);
-        if !proven(&found) {
+        if !proven(h.base_version, &found) {
             // The target's digest proves it holds the base (first refit
             // under this journal, or after an abort or a dense reload).
             j.commit_dense(h.base_version, found)?;

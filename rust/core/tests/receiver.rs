@@ -604,3 +604,22 @@ fn joint_commit_with_a_lagging_receiver_that_catches_up() {
         assert_eq!(t.current, f.versions[2]);
     }
 }
+
+/// Deltas built without explicit versions all say 0->1: the digests decide,
+/// and the journal takes the delta's version numbers.
+#[test]
+fn deltas_with_default_version_numbers_chain_by_digest() {
+    let f = fixture(ChangeKind::Xor);
+    let mut second = f.deltas[1].clone();
+    second.header.base_version = 0;
+    second.header.target_version = 1;
+    let io = SimIo::new();
+    let mut t = target(&f, 0);
+    run(&io, &mut t, &f.deltas[0]).unwrap();
+    assert!(matches!(run(&io, &mut t, &second).unwrap(), RefitOutcome::Committed(_)));
+    assert_eq!(t.current, f.versions[2]);
+    assert!(matches!(run(&io, &mut t, &second).unwrap(), RefitOutcome::AlreadyAtTarget { version: 1, .. }));
+    let e = run(&io, &mut t, &f.deltas[0]).unwrap_err();
+    assert!(matches!(e, Error::BaseMismatch { .. }), "{e}");
+    assert_eq!(t.current, f.versions[2]);
+}
