@@ -164,14 +164,14 @@ def test_apply_refuses_wrong_base_and_replayed_deltas_untouched(
     shutil.copy(versions[0], target)
     before = target.read_bytes()
     wrong = _apply(deltas[1], target)
-    assert wrong.returncode == 2 and "needs base checkpoint digest" in wrong.stderr, wrong.stderr
+    assert wrong.returncode == 2 and "needs base digest" in wrong.stderr, wrong.stderr
     assert target.read_bytes() == before
     for d in deltas:
         assert _apply(d, target).returncode == 0
     assert not dcr.compare_files(target, versions[2])
     at_v2 = target.read_bytes()
     replay = _apply(deltas[0], target)
-    assert replay.returncode == 2 and "holds v2" in replay.stderr, replay.stderr
+    assert replay.returncode == 2 and "version 2 in its journal" in replay.stderr, replay.stderr
     assert target.read_bytes() == at_v2
     again = _apply(deltas[1], target, "--json")
     assert again.returncode == 0 and json.loads(again.stdout)["outcome"] == "already_at_target"

@@ -9,7 +9,7 @@ fn main() {
     let b = ReadOnlyCheckpoint::open(&args[2]).unwrap();
     let (ob, nb) = (a.buffers(), b.buffers());
     let total: usize = ob.iter().map(|x| x.len()).sum();
-    for _ in 0..3 {
+    for _ in 0..25 {
         let t = Instant::now();
         let mut m = 0;
         for (o, n) in ob.iter().zip(&nb) {

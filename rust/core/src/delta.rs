@@ -98,9 +98,6 @@ pub fn diff(
     if opts.chunk_bytes == 0 || opts.chunk_bytes > format::MAX_CHUNK_BYTES {
         return Err(Error::Invalid(format!("chunk size must be 1..={} bytes, got {}", format::MAX_CHUNK_BYTES, opts.chunk_bytes)));
     }
-    if opts.mode != Mode::Free {
-        return Err(Error::Invalid("mode 'context' is not available in this build; use mode 'free'".into()));
-    }
     layout.check_buffers(old.iter().map(|b| b.len()))?;
     layout.check_buffers(new.iter().map(|b| b.len()))?;
     let (old_d, new_d) = rayon::join(|| tensor_digests(old), || tensor_digests(new));
@@ -156,7 +153,9 @@ pub fn diff(
             .map(|u| {
                 let w = layout.tensors()[u.tensor].dtype.word_bytes();
                 let range = (u.start as usize * w)..((u.start + u.len) as usize * w);
-                codec::encode_chunk(&old[u.tensor][range.clone()], &new[u.tensor][range], w, enc)
+                let model = (opts.mode == Mode::Context)
+                    .then(|| codec::context::ContextModel::for_dtype(layout.tensors()[u.tensor].dtype));
+                codec::encode_chunk_with_context(&old[u.tensor][range.clone()], &new[u.tensor][range], w, enc, model.as_ref())
             })
             .collect();
         for (u, e) in group.iter().zip(encoded) {
@@ -171,7 +170,7 @@ pub fn diff(
                 len: u.len as u32,
                 kind: opts.kind,
                 encoding: chunk.encoding,
-                mode: opts.mode,
+                mode: chunk.mode,
                 n_changed: chunk.n_changed,
                 payload: chunk.payload,
             };
@@ -225,12 +224,8 @@ pub fn check_chunk(header: &DeltaHeader, chunk: &ChunkFrame) -> Result<std::ops:
             format!("range {}+{} is off the chunk grid of tensor {} ({words} words, {k} per chunk)", chunk.start, chunk.len, spec.name),
         ));
     }
-    if chunk.mode != Mode::Free {
-        return Err(Error::Invalid(format!(
-            "chunk {} uses the '{}' mode, which this build cannot decode; upgrade dcr",
-            chunk.seq,
-            chunk.mode.name()
-        )));
+    if chunk.mode == Mode::Context && chunk.encoding != codec::Encoding::Sparse {
+        return Err(Error::corrupt(ctx(), "context-mode chunks use the sparse encoding"));
     }
     let w = spec.dtype.word_bytes();
     Ok(chunk.start as usize * w..(chunk.start as usize + chunk.len as usize) * w)
@@ -321,12 +316,28 @@ pub fn check_base(header: &DeltaHeader, layout: &Layout, digests: &[Digest]) -> 
     }
     if found != header.base_digest {
         return Err(Error::BaseMismatch {
-            base: format!("v{} ({})", header.base_version, digest_short(&header.base_digest)),
-            target: format!("v{} ({})", header.target_version, digest_short(&header.target_digest)),
+            base_version: header.base_version,
+            target_version: header.target_version,
+            base_digest: digest_short(&header.base_digest),
             found: digest_short(&found),
         });
     }
     Ok(false)
+}
+
+/// Decode one chunk; a context-mode chunk reads `base`, the chunk's current
+/// (base) bytes in the target.
+pub fn decode_against(c: &ChunkFrame, range: &std::ops::Range<usize>, layout: &Layout, base: &[u8]) -> Result<DecodedChunk> {
+    let dtype = layout.tensors()[c.tensor as usize].dtype;
+    let w = dtype.word_bytes();
+    let name = format!("chunk {}", c.seq);
+    match c.mode {
+        Mode::Free => codec::decode_chunk(&c.payload, range.len() / w, w, c.encoding, c.n_changed, &name),
+        Mode::Context => {
+            let model = codec::context::ContextModel::for_dtype(dtype);
+            codec::decode_chunk_context(&c.payload, base, w, &model, c.n_changed, c.kind, &name)
+        }
+    }
 }
 
 /// Split each tensor buffer into the disjoint byte ranges of `chunks`
@@ -365,10 +376,7 @@ pub fn apply(delta: &Delta, layout: &Layout, targets: &mut [&mut [u8]]) -> Resul
     order.sort_by_key(|(c, _)| (c.tensor, c.start));
     let decoded: Vec<DecodedChunk> = order
         .par_iter()
-        .map(|(c, range)| {
-            let w = layout.tensors()[c.tensor as usize].dtype.word_bytes();
-            codec::decode_chunk(&c.payload, range.len() / w, w, c.encoding, c.n_changed, &format!("chunk {}", c.seq))
-        })
+        .map(|(c, range)| decode_against(c, range, layout, &targets[c.tensor as usize][range.clone()]))
         .collect::<Result<_>>()?;
     let mut slices = split_targets(targets, &order);
     let saved: Vec<Option<DecodedChunk>> = slices

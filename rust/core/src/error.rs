@@ -4,7 +4,7 @@
 use std::io;
 use std::path::PathBuf;
 
-pub type Result<T> = std::result::Result<T, Error>;
+pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Short lowercase hex of a digest prefix, for messages.
 pub fn short_hex(bytes: &[u8]) -> String {
@@ -55,8 +55,8 @@ pub enum Error {
     #[error("chunk {seq} was already applied; applying an XOR twice would undo it, so the replay is refused")]
     DuplicateChunk { seq: u32 },
 
-    #[error("delta {base}->{target} needs base checkpoint digest {base}, but the target holds {found}; apply the deltas in order from the version it holds, or do a dense refit")]
-    BaseMismatch { base: String, target: String, found: String },
+    #[error("delta v{base_version}->v{target_version} needs base digest {base_digest}, but the target holds digest {found}; apply the deltas in order from the version it holds, or do a dense refit")]
+    BaseMismatch { base_version: u64, target_version: u64, base_digest: String, found: String },
 
     #[error("layout mismatch: {detail}; the delta was built for a different model layout: check that you passed the right checkpoint, or do a dense refit")]
     LayoutMismatch { detail: String },
@@ -117,6 +117,108 @@ pub enum Error {
 
     /// A terminal transition (commit, dense commit, abort) is durable, but
     /// rewriting the journal down to the current state failed.
+    // ---------------------------------------------------------- transport
+    /// The peer refused our credentials, or we refused the peer's.
+    #[error("authentication refused by {side}: {reason}")]
+    AuthRefused {
+        /// "parent" (the peer refused us) or "local" (we refused the peer).
+        side: &'static str,
+        /// Why; never contains key material.
+        reason: String,
+    },
+    /// The peer closed the connection before the stream was complete.
+    #[error("peer {peer} closed the connection {during}; the receiver resumes from another parent if one is configured")]
+    PeerClosed {
+        /// Address of the peer.
+        peer: String,
+        /// What we were doing.
+        during: String,
+    },
+    /// A length prefix announced a frame above the configured maximum.
+    #[error("frame of {len} bytes announced, at most {max} allowed: the peer is not a dcr relay of a compatible version, or raise --max-frame on both ends")]
+    FrameTooLarge {
+        /// Announced length.
+        len: u64,
+        /// Configured maximum.
+        max: u64,
+    },
+    /// A message failed its CRC32C check (bytes corrupted in flight or by a relay).
+    #[error("message checksum mismatch: expected crc32c {expected:08x}, computed {found:08x}; the data is refetched from another parent")]
+    MessageChecksum {
+        /// CRC carried by the message.
+        expected: u32,
+        /// CRC computed over the received bytes.
+        found: u32,
+    },
+    /// A message was well framed but its contents were not what the protocol allows here.
+    #[error("protocol violation: expected {expected}, found {found}")]
+    Protocol {
+        /// What the protocol expected.
+        expected: String,
+        /// What was received.
+        found: String,
+    },
+    /// The parent no longer holds (or never held) what a resume asked for.
+    #[error("cannot resume version {version} at chunk {seq}: {reason}; try another parent or restart the refit")]
+    ResumeUnavailable {
+        /// Version asked for.
+        version: u64,
+        /// Sequence number asked for.
+        seq: u32,
+        /// Why.
+        reason: String,
+    },
+    /// The peer sent an error message.
+    #[error("peer reported error {code}: {reason}")]
+    Remote {
+        /// Wire error code.
+        code: u16,
+        /// Text sent by the peer.
+        reason: String,
+    },
+    /// Every parent in the list failed.
+    #[error("all {tried} parent connection attempts failed; last error: {last}")]
+    AllParentsFailed {
+        /// Attempts made.
+        tried: usize,
+        /// Last error seen.
+        last: Box<Error>,
+    },
+    /// A deadline passed.
+    #[error("timed out after {after_ms} ms while {during}")]
+    Timeout {
+        /// Elapsed milliseconds.
+        after_ms: u64,
+        /// What was awaited.
+        during: String,
+    },
+    /// A callback of the application refused a blob.
+    #[error("receiver callback failed on {what}: {reason}")]
+    Callback {
+        /// "header", "chunk 17", "end".
+        what: String,
+        /// The callback's message.
+        reason: String,
+    },
+    /// Invalid configuration (addresses, keys, certificates).
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// TLS setup or handshake failure.
+    #[error("TLS error: {0}")]
+    Tls(String),
+    /// An I/O error, with what we were doing.
+    #[error("I/O error while {during}: {source}")]
+    NetIo {
+        /// What we were doing.
+        during: String,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// The local object was closed / shut down.
+    #[error("{0} is closed")]
+    Closed(&'static str),
+
     #[error("journal {}: {durable} is durable, but compacting the journal failed: {source}; nothing is lost, the journal only stays longer: call compact() again or reopen the journal", path.display())]
     JournalCompact { path: PathBuf, durable: String, source: Box<Error> },
 }
@@ -144,6 +246,22 @@ impl Error {
     }
     pub fn truncated(context: impl Into<String>, needed: u64, available: u64) -> Self {
         Error::Truncated { context: context.into(), needed, available }
+    }
+
+    /// Wrap an `io::Error` of the network transport with what it was doing.
+    pub fn net_io(during: impl Into<String>, source: io::Error) -> Self {
+        Error::NetIo { during: during.into(), source }
+    }
+
+    /// Shorthand for a protocol violation.
+    pub fn protocol(expected: impl Into<String>, found: impl Into<String>) -> Self {
+        Error::Protocol { expected: expected.into(), found: found.into() }
+    }
+
+    /// Whether a subscriber should try another parent after this error
+    /// (as opposed to giving up: a refusal by the application callback).
+    pub fn is_retryable(&self) -> bool {
+        !matches!(self, Error::Callback { .. } | Error::Config(_) | Error::Closed(_))
     }
 
     /// Whether this error (or the one it wraps) is a full disk (ENOSPC).

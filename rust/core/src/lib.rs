@@ -5,7 +5,8 @@
 //! ([`format`]), whole-checkpoint diff/apply ([`delta`], [`files`]) and the
 //! receiver's crash-safe commit journal ([`journal`]) and the resumable
 //! in-place refit built on it ([`receiver`]); the publishing side's joint
-//! commit bookkeeping ([`commit`]).
+//! commit bookkeeping ([`commit`]); the relay-tree transport: I/O-free
+//! protocol state machines ([`relay`]) and their tokio drivers ([`net`]).
 #![deny(unsafe_code)]
 
 pub mod checkpoint;
@@ -17,6 +18,8 @@ pub mod error;
 pub mod files;
 pub mod format;
 pub mod journal;
+pub mod net;
 pub mod receiver;
+pub mod relay;
 
 pub use error::{Error, Result};

@@ -585,12 +585,15 @@ pub fn refit<I: JournalIo + Clone>(
         }
         if found != h.base_digest {
             let found = match st.committed {
-                Some(c) if c.digest == found => format!("v{} ({})", c.version, digest_short(&found)),
+                Some(c) if c.digest == found => {
+                    format!("{} (version {} in its journal)", digest_short(&found), c.version)
+                }
                 _ => digest_short(&found),
             };
             return Err(Error::BaseMismatch {
-                base: format!("v{} ({})", h.base_version, digest_short(&h.base_digest)),
-                target: format!("v{} ({})", h.target_version, digest_short(&h.target_digest)),
+                base_version: h.base_version,
+                target_version: h.target_version,
+                base_digest: digest_short(&h.base_digest),
                 found,
             });
         }

@@ -1,5 +1,5 @@
 use dcr_core::checkpoint::{Layout, TensorSpec};
-use dcr_core::codec::ChangeKind;
+use dcr_core::codec::{ChangeKind, Mode};
 use dcr_core::delta::{apply, diff, read_delta, ApplyOutcome, DiffOptions};
 use dcr_core::dtype::DType;
 use dcr_core::Error;
@@ -63,9 +63,10 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
     #[test]
-    fn apply_of_diff_reproduces_new(p in pair(), chunk in prop::sample::select(vec![1u32, 7, 64, 4096]), overwrite in any::<bool>()) {
+    fn apply_of_diff_reproduces_new(p in pair(), chunk in prop::sample::select(vec![1u32, 7, 64, 4096]), overwrite in any::<bool>(), context in any::<bool>()) {
         let kind = if overwrite { ChangeKind::Overwrite } else { ChangeKind::Xor };
-        let bytes = encode(&p, &DiffOptions { chunk_bytes: chunk, kind, ..Default::default() });
+        let mode = if context { Mode::Context } else { Mode::Free };
+        let bytes = encode(&p, &DiffOptions { chunk_bytes: chunk, kind, mode, ..Default::default() });
         let mut target = p.old.clone();
         let out = apply_to(&bytes, &p.layout, &mut target).unwrap();
         prop_assert_eq!(&target, &p.new);
@@ -78,8 +79,9 @@ proptest! {
     }
 
     #[test]
-    fn mutated_or_truncated_delta_never_applies_wrong_bits(p in pair(), pos in any::<usize>(), x in 1u8..=255, cut in any::<usize>()) {
-        let bytes = encode(&p, &DiffOptions { chunk_bytes: 64, ..Default::default() });
+    fn mutated_or_truncated_delta_never_applies_wrong_bits(p in pair(), pos in any::<usize>(), x in 1u8..=255, cut in any::<usize>(), context in any::<bool>()) {
+        let mode = if context { Mode::Context } else { Mode::Free };
+        let bytes = encode(&p, &DiffOptions { chunk_bytes: 64, mode, ..Default::default() });
         let mut bad = bytes.clone();
         let i = pos % bad.len();
         bad[i] ^= x;
@@ -155,4 +157,33 @@ fn unknown_version_is_named() {
     bytes[8] = 9;
     let err = read_delta(&bytes).unwrap_err();
     assert!(err.to_string().contains("version 9"), "{err}");
+}
+
+#[test]
+fn context_mode_refuses_a_base_that_differs_in_one_bit() {
+    let specs = vec![TensorSpec { name: "w".into(), dtype: DType::from_name("BF16").unwrap(), shape: vec![4096] }];
+    let layout = Layout::new(specs).unwrap();
+    // bf16 words spread over several exponents; only one exponent's elements
+    // move (by one ulp): the context mode captures exactly that.
+    let words: Vec<u16> = (0..4096u32).map(|i| 0x3a00 + ((i.wrapping_mul(2654435761) >> 7) % 0x0600) as u16).collect();
+    let old: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let new: Vec<u8> = words
+        .iter()
+        .enumerate()
+        .map(|(i, &w)| if (w >> 7) == (0x3c00 >> 7) && i % 3 == 0 { w + 1 } else { w })
+        .flat_map(|w| w.to_le_bytes())
+        .collect();
+    let p = Pair { layout: layout.clone(), old: vec![old.clone()], new: vec![new.clone()] };
+    let bytes = encode(&p, &DiffOptions { mode: Mode::Context, ..Default::default() });
+    let delta = read_delta(&bytes).unwrap();
+    assert!(delta.chunks.iter().any(|c| c.mode == Mode::Context), "the context mode is chosen here");
+    let mut other = vec![old.clone()];
+    other[0][1001] ^= 0x80;
+    let before = other.clone();
+    let err = apply_to(&bytes, &layout, &mut other).unwrap_err();
+    assert!(matches!(err, Error::BaseMismatch { .. }), "{err}");
+    assert_eq!(other, before);
+    let mut ok = vec![old];
+    apply_to(&bytes, &layout, &mut ok).unwrap();
+    assert_eq!(ok, vec![new]);
 }

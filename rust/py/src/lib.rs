@@ -261,7 +261,7 @@ fn layout_of(names: Vec<String>, dtypes: Vec<String>, shapes: Vec<Vec<u64>>) -> 
 
 /// Diff two lists of tensor buffers (uint8 views) into delta bytes.
 #[pyfunction]
-#[pyo3(signature = (names, dtypes, shapes, old, new, *, chunk_bytes=delta::DEFAULT_CHUNK_BYTES, kind="xor", zstd_level=1, base_version=0, target_version=1, threads=None))]
+#[pyo3(signature = (names, dtypes, shapes, old, new, *, chunk_bytes=delta::DEFAULT_CHUNK_BYTES, kind="xor", zstd_level=1, mode="free", base_version=0, target_version=1, threads=None))]
 #[allow(clippy::too_many_arguments)]
 fn diff_buffers<'py>(
     py: Python<'py>,
@@ -273,6 +273,7 @@ fn diff_buffers<'py>(
     chunk_bytes: u32,
     kind: &str,
     zstd_level: i32,
+    mode: &str,
     base_version: u64,
     target_version: u64,
     threads: Option<usize>,
@@ -280,7 +281,7 @@ fn diff_buffers<'py>(
     let (layout, order) = layout_of(names, dtypes, shapes)?;
     check_spans(&old, false)?;
     check_spans(&new, false)?;
-    let opts = DiffOptions { chunk_bytes, kind: parse_kind(kind)?, zstd_level, mode: Mode::Free, base_version, target_version };
+    let opts = DiffOptions { chunk_bytes, kind: parse_kind(kind)?, zstd_level, mode: parse_mode(mode)?, base_version, target_version };
     let pool = pool(threads)?;
     let (o, n) = (slices(&old), slices(&new));
     let o: Vec<&[u8]> = order.iter().map(|&i| o[i]).collect();
@@ -481,6 +482,53 @@ fn receiver_status<'py>(py: Python<'py>, target: PathBuf, journal: Option<PathBu
     d.set_item("torn_tail", torn_dict(py, &st.torn_tail)?)?;
     d.set_item("undo_bytes", st.undo_bytes)?;
     Ok(d)
+
+/// Parse, validate and decode a whole delta: its header and, per chunk,
+/// (tensor name, start word, word width, kind, positions as uint32 LE bytes,
+/// values as uint64 LE bytes). For integrations that place changes
+/// themselves (serving-runtime loaders, GPU apply).
+#[pyfunction]
+fn decode_delta<'py>(py: Python<'py>, delta: &[u8]) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
+    type Decoded = Vec<(usize, u64, usize, &'static str, Vec<u8>, Vec<u8>)>;
+    let (parsed, chunks): (delta::Delta, Decoded) = py
+        .detach(|| -> dcr_core::Result<_> {
+            let d = delta::read_delta(delta)?;
+            let mut out = Vec::with_capacity(d.chunks.len());
+            for c in &d.chunks {
+                let range = delta::check_chunk(&d.header, c)?;
+                let w = d.header.layout.tensors()[c.tensor as usize].dtype.word_bytes();
+                if c.mode == Mode::Context {
+                    return Err(dcr_core::Error::Invalid(format!(
+                        "chunk {} is context-coded and decodes only against its base: apply it with apply_tensors/apply_file, or build the delta with mode='free'",
+                        c.seq
+                    )));
+                }
+                let ch = codec::decode_chunk(&c.payload, range.len() / w, w, c.encoding, c.n_changed, &format!("chunk {}", c.seq))?
+                    .to_changes();
+                let pos: Vec<u8> = ch.positions.iter().flat_map(|p| p.to_le_bytes()).collect();
+                let val: Vec<u8> = ch.values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                out.push((c.tensor as usize, c.start, w, c.kind.name(), pos, val));
+            }
+            Ok((d, out))
+        })
+        .map_err(to_py)?;
+    let h = PyDict::new(py);
+    h.set_item("delta_id", digest_hex(&parsed.header.delta_id))?;
+    h.set_item("base_digest", digest_hex(&parsed.header.base_digest))?;
+    h.set_item("target_digest", digest_hex(&parsed.header.target_digest))?;
+    h.set_item("base_version", parsed.header.base_version)?;
+    h.set_item("target_version", parsed.header.target_version)?;
+    let tensors = PyList::empty(py);
+    for t in parsed.header.layout.tensors() {
+        tensors.append((t.name.as_str(), t.dtype.name(), t.shape.clone()))?;
+    }
+    h.set_item("tensors", tensors)?;
+    let names: Vec<&str> = parsed.header.layout.tensors().iter().map(|t| t.name.as_str()).collect();
+    let list = PyList::empty(py);
+    for (t, start, w, kind, pos, val) in chunks {
+        list.append((names[t], start, w, kind, PyBytes::new(py, &pos), PyBytes::new(py, &val)))?;
+    }
+    Ok((h, list))
 }
 
 #[pymodule(gil_used = false)]
@@ -501,5 +549,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(apply_changes, m)?)?;
     m.add_function(wrap_pyfunction!(refit_file, m)?)?;
     m.add_function(wrap_pyfunction!(receiver_status, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_delta, m)?)?;
     Ok(())
 }

@@ -12,6 +12,8 @@
 //! Every stream goes through zstd when that is smaller. Decoding needs only
 //! the payload (context-free mode).
 
+pub mod context;
+pub mod range;
 pub mod streams;
 
 use crate::error::{Error, Result};
@@ -111,6 +113,7 @@ impl Default for EncodeOptions {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EncodedChunk {
     pub encoding: Encoding,
+    pub mode: Mode,
     pub n_changed: u32,
     pub payload: Vec<u8>,
 }
@@ -145,6 +148,97 @@ fn check_width(width: usize) -> Result<()> {
     }
 }
 
+/// A little-endian word of the codec (the element width).
+trait Word {
+    const BYTES: usize;
+    fn load(b: &[u8]) -> u64;
+}
+
+macro_rules! word {
+    ($t:ty) => {
+        impl Word for $t {
+            const BYTES: usize = std::mem::size_of::<$t>();
+            #[inline(always)]
+            fn load(b: &[u8]) -> u64 {
+                <$t>::from_le_bytes(b.try_into().expect("one word")) as u64
+            }
+        }
+    };
+}
+word!(u8);
+word!(u16);
+word!(u32);
+word!(u64);
+
+/// Bit `i` set when lane `i` (of width `T::BYTES`) of the XOR word `d` is
+/// nonzero: the high bit of each lane is set where any bit of the lane is,
+/// then the lane bits are gathered by one multiply.
+#[inline(always)]
+fn changed_lanes<T: Word>(d: u64) -> u64 {
+    match T::BYTES {
+        1 => {
+            let low = 0x7f7f_7f7f_7f7f_7f7fu64;
+            let hi = (d | ((d & low).wrapping_add(low))) & !low;
+            ((hi >> 7).wrapping_mul(0x0102_0408_1020_4080)) >> 56
+        }
+        2 => {
+            let low = 0x7fff_7fff_7fff_7fffu64;
+            let hi = (d | ((d & low).wrapping_add(low))) & !low;
+            ((hi >> 15).wrapping_mul((1 << 45) | (1 << 30) | (1 << 15) | 1) >> 45) & 0xf
+        }
+        4 => {
+            let low = 0x7fff_ffff_7fff_ffffu64;
+            let hi = (d | ((d & low).wrapping_add(low))) & !low;
+            ((hi >> 31) & 1) | ((hi >> 62) & 2)
+        }
+        _ => u64::from(d != 0),
+    }
+}
+
+/// Scan 64 words at a time: a branch-free compare builds a bitmask of the
+/// changed words, whose set bits are then visited; unchanged blocks cost one
+/// compare of their bytes.
+fn scan<T: Word>(old: &[u8], new: &[u8], kind: ChangeKind, out: &mut SparseChanges) {
+    const BLOCK: usize = 64;
+    let w = T::BYTES;
+    let n = old.len() / w;
+    let blocks = n / BLOCK;
+    let visit = |base: usize, a: &[u8], b: &[u8], mut mask: u64, out: &mut SparseChanges| {
+        while mask != 0 {
+            let i = mask.trailing_zeros() as usize;
+            mask &= mask - 1;
+            let (x, y) = (T::load(&a[i * w..(i + 1) * w]), T::load(&b[i * w..(i + 1) * w]));
+            out.positions.push((base + i) as u32);
+            out.values.push(match kind {
+                ChangeKind::Xor => x ^ y,
+                ChangeKind::Overwrite => y,
+            });
+        }
+    };
+    for blk in 0..blocks {
+        let range = blk * BLOCK * w..(blk + 1) * BLOCK * w;
+        let (a, b) = (&old[range.clone()], &new[range]);
+        if a == b {
+            continue;
+        }
+        // 8 bytes at a time (SWAR): 8/w lane bits per u64 of XOR.
+        let lanes = 8 / w;
+        let mut mask = 0u64;
+        for (k, (x, y)) in a.chunks_exact(8).zip(b.chunks_exact(8)).enumerate() {
+            let d = u64::from_le_bytes(x.try_into().expect("8")) ^ u64::from_le_bytes(y.try_into().expect("8"));
+            mask |= changed_lanes::<T>(d) << (k * lanes);
+        }
+        visit(blk * BLOCK, a, b, mask, out);
+    }
+    let tail = blocks * BLOCK;
+    let (a, b) = (&old[tail * w..], &new[tail * w..]);
+    let mut mask = 0u64;
+    for (i, (x, y)) in a.chunks_exact(w).zip(b.chunks_exact(w)).enumerate() {
+        mask |= u64::from(T::load(x) != T::load(y)) << i;
+    }
+    visit(tail, a, b, mask, out);
+}
+
 /// Find the words that differ between `old` and `new` (same length, a
 /// multiple of `width`).
 pub fn find_changes(old: &[u8], new: &[u8], width: usize, kind: ChangeKind) -> Result<SparseChanges> {
@@ -160,58 +254,15 @@ pub fn find_changes(old: &[u8], new: &[u8], width: usize, kind: ChangeKind) -> R
         return Err(Error::Invalid(format!("a chunk holds at most {} words", u32::MAX)));
     }
     let mut out = SparseChanges::default();
-    let lanes = 8 / width;
-    let mask = lane_mask(width);
-    let full = old.len() / 32 * 32;
-    let record = |base_word: usize, x: u64, nv: u64, out: &mut SparseChanges| {
-        for lane in 0..lanes {
-            let shift = lane * width * 8;
-            let xl = (x >> shift) & mask;
-            if xl != 0 {
-                out.positions.push((base_word + lane) as u32);
-                out.values.push(match kind {
-                    ChangeKind::Xor => xl,
-                    ChangeKind::Overwrite => (nv >> shift) & mask,
-                });
-            }
-        }
-    };
-    // 32 bytes at a time: one branch for the common all-equal block.
-    for (blk, (a, b)) in old[..full].chunks_exact(32).zip(new[..full].chunks_exact(32)).enumerate() {
-        let mut xs = [0u64; 4];
-        let mut any = 0u64;
-        for k in 0..4 {
-            let x = read_u64(&a[8 * k..]) ^ read_u64(&b[8 * k..]);
-            xs[k] = x;
-            any |= x;
-        }
-        if any == 0 {
-            continue;
-        }
-        for (k, &x) in xs.iter().enumerate() {
-            if x != 0 {
-                let nv = read_u64(&b[8 * k..]);
-                record((blk * 32 + 8 * k) / width, x, nv, &mut out);
-            }
-        }
-    }
-    for (i, (a, b)) in old[full..].chunks_exact(width).zip(new[full..].chunks_exact(width)).enumerate() {
-        let (x, nv) = (read_word(a) ^ read_word(b), read_word(b));
-        if x != 0 {
-            out.positions.push((full / width + i) as u32);
-            out.values.push(match kind {
-                ChangeKind::Xor => x,
-                ChangeKind::Overwrite => nv,
-            });
-        }
+    match width {
+        1 => scan::<u8>(old, new, kind, &mut out),
+        2 => scan::<u16>(old, new, kind, &mut out),
+        4 => scan::<u32>(old, new, kind, &mut out),
+        _ => scan::<u64>(old, new, kind, &mut out),
     }
     Ok(out)
 }
 
-#[inline(always)]
-fn read_u64(b: &[u8]) -> u64 {
-    u64::from_le_bytes(b[..8].try_into().expect("8 bytes"))
-}
 
 fn planes_of(values: impl ExactSizeIterator<Item = u64> + Clone, width: usize) -> Vec<Vec<u8>> {
     (0..width)
@@ -291,6 +342,38 @@ pub fn encode_chunk(old: &[u8], new: &[u8], width: usize, opts: EncodeOptions) -
     Ok(Some(encode_changes(&changes, n, width, opts, || dense_values(old, new, opts.kind))))
 }
 
+/// Encode a chunk, trying the context-aware mode too when `model` is given
+/// (the decoder then reads the chunk's base values): the smaller wins.
+pub fn encode_chunk_with_context(
+    old: &[u8],
+    new: &[u8],
+    width: usize,
+    opts: EncodeOptions,
+    model: Option<&context::ContextModel>,
+) -> Result<Option<EncodedChunk>> {
+    let Some(model) = model else { return encode_chunk(old, new, width, opts) };
+    let xor = find_changes(old, new, width, ChangeKind::Xor)?;
+    if xor.positions.is_empty() {
+        return Ok(None);
+    }
+    let n = old.len() / width;
+    let m = xor.positions.len();
+    let ctx_payload = context::encode(old, new, &xor, model, opts.zstd_level);
+    let changes = match opts.kind {
+        ChangeKind::Xor => xor,
+        ChangeKind::Overwrite => SparseChanges {
+            values: xor.positions.iter().map(|&p| read_word(&new[p as usize * width..][..width])).collect(),
+            positions: xor.positions,
+        },
+    };
+    let free = encode_changes(&changes, n, width, opts, || dense_values(old, new, opts.kind));
+    Ok(Some(if ctx_payload.len() < free.payload.len() {
+        EncodedChunk { encoding: Encoding::Sparse, mode: Mode::Context, n_changed: m as u32, payload: ctx_payload }
+    } else {
+        free
+    }))
+}
+
 /// Encode changes already found (e.g. by a GPU compaction kernel). `dense`
 /// gives every element's value when a dense representation is considered.
 pub fn encode_changes(
@@ -323,7 +406,7 @@ pub fn encode_changes(
         consider(Encoding::Raw, dense(), &mut best);
     }
     let (encoding, payload) = best.expect("at least one encoding is always considered");
-    EncodedChunk { encoding, n_changed: m as u32, payload }
+    EncodedChunk { encoding, mode: Mode::Free, n_changed: m as u32, payload }
 }
 
 /// Decoded changes of a chunk, ready to be applied.
@@ -437,6 +520,23 @@ pub fn decode_chunk(
 ) -> Result<DecodedChunk> {
     check_width(width)?;
     Ok(DecodedChunk { width, inner: decode(payload, n, width, encoding, n_changed, context)? })
+}
+
+/// Decode a context-mode chunk against its base bytes (the target's current
+/// bytes for this chunk, which must be the delta's base).
+pub fn decode_chunk_context(
+    payload: &[u8],
+    base: &[u8],
+    width: usize,
+    model: &context::ContextModel,
+    n_changed: u32,
+    kind: ChangeKind,
+    context_name: &str,
+) -> Result<DecodedChunk> {
+    check_width(width)?;
+    let ch = context::decode(payload, base, model, n_changed, kind, context_name)?;
+    let planes = planes_of(ch.values.iter().copied(), width);
+    Ok(DecodedChunk { width, inner: Decoded::Sparse { positions: ch.positions, planes } })
 }
 
 impl DecodedChunk {

@@ -1,0 +1,108 @@
+"""Type stubs of the Rust extension module ``dcr._core`` (kept honest by
+``python -m mypy.stubtest dcr._core`` in CI)."""
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "BaseMismatchError",
+    "CheckpointError",
+    "CorruptDeltaError",
+    "DEFAULT_CHUNK_BYTES",
+    "DcrError",
+    "FORMAT_VERSION",
+    "IncompleteDeltaError",
+    "JournalError",
+    "LayoutMismatchError",
+    "UnsupportedFormatError",
+    "VerificationError",
+    "__version__",
+    "apply_buffers",
+    "apply_changes",
+    "apply_file",
+    "compare_files",
+    "decode_delta",
+    "diff_buffers",
+    "diff_files",
+    "digest_buffers",
+    "file_digest",
+    "find_changes",
+    "inspect_file",
+    "receiver_status",
+    "refit_file",
+]
+
+__version__: str
+FORMAT_VERSION: int
+DEFAULT_CHUNK_BYTES: int
+
+class DcrError(Exception): ...
+class CorruptDeltaError(DcrError): ...
+class IncompleteDeltaError(CorruptDeltaError): ...
+class UnsupportedFormatError(CorruptDeltaError): ...
+class BaseMismatchError(DcrError): ...
+class LayoutMismatchError(DcrError): ...
+class VerificationError(DcrError): ...
+class CheckpointError(DcrError): ...
+class JournalError(DcrError): ...
+
+_Span = tuple[int, int]
+
+def diff_files(
+    old: str | Any,
+    new: str | Any,
+    out: str | Any,
+    *,
+    chunk_bytes: int = ...,
+    kind: str = "xor",
+    zstd_level: int = 1,
+    mode: str = "free",
+    base_version: int = 0,
+    target_version: int = 1,
+    threads: int | None = None,
+    progress: Callable[[int, int], object] | None = None,
+) -> dict[str, Any]: ...
+def apply_file(delta: str | Any, target: str | Any, *, threads: int | None = None) -> dict[str, Any]: ...
+def compare_files(a: str | Any, b: str | Any) -> list[str]: ...
+def inspect_file(path: str | Any) -> dict[str, Any]: ...
+def file_digest(path: str | Any) -> str: ...
+def diff_buffers(
+    names: list[str],
+    dtypes: list[str],
+    shapes: list[list[int]],
+    old: list[_Span],
+    new: list[_Span],
+    *,
+    chunk_bytes: int = ...,
+    kind: str = "xor",
+    zstd_level: int = 1,
+    mode: str = "free",
+    base_version: int = 0,
+    target_version: int = 1,
+    threads: int | None = None,
+) -> tuple[bytes, dict[str, Any]]: ...
+def apply_buffers(
+    delta: bytes,
+    names: list[str],
+    dtypes: list[str],
+    shapes: list[list[int]],
+    targets: list[_Span],
+    *,
+    threads: int | None = None,
+) -> dict[str, Any]: ...
+def digest_buffers(names: list[str], dtypes: list[str], shapes: list[list[int]], bufs: list[_Span]) -> str: ...
+def find_changes(old: _Span, new: _Span, width: int, kind: str = "xor") -> tuple[bytes, bytes]: ...
+def apply_changes(target: _Span, width: int, positions: bytes, values: bytes, kind: str = "xor") -> None: ...
+def decode_delta(delta: bytes) -> tuple[dict[str, Any], list[tuple[str, int, int, str, bytes, bytes]]]: ...
+
+# ------------------------------------------------------------ resumable receiver (issue 3)
+
+def refit_file(
+    delta: str | Any,
+    target: str | Any,
+    *,
+    journal: str | Any | None = None,
+    batch_chunks: int = 256,
+    threads: int | None = None,
+) -> dict[str, Any]: ...
+def receiver_status(target: str | Any, *, journal: str | Any | None = None) -> dict[str, Any]: ...

@@ -1,0 +1,519 @@
+//! Context-aware chunk coding: the decoder reads the base values of the
+//! chunk, which every receiver holds bit for bit (the delta names their
+//! digest), and both sides derive a context from each base value.
+//!
+//! - **Context**: the exponent field of the old value (floating-point
+//!   dtypes), so elements are grouped by magnitude: in policy-gradient
+//!   steps, whether an element changes depends strongly on it.
+//! - **Positions**: per context, the changes are gap-coded within that
+//!   context's own subsequence of elements, with a Rice code whose parameter
+//!   is chosen per context (or, in dense contexts, one flag bit per element).
+//! - **Values**: the distance between old and new in representable steps
+//!   (ulps; exact integer arithmetic on an order-preserving map of the bit
+//!   pattern), in element order, through an adaptive binary range coder
+//!   whose probabilities are kept per context (sign also by the old sign;
+//!   magnitude in unary, escaping to Elias-gamma).
+//!
+//! One pass over the chunk on each side, no sorting. Exact for every bit
+//! pattern: the ordinal map is a bijection on words.
+
+use super::range::{RangeDecoder, RangeEncoder, PROB_INIT};
+use super::streams::{get_varint, put_stream, put_varint, StreamReader};
+use super::{ChangeKind, SparseChanges};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use safetensors::Dtype;
+
+/// How a dtype's words map to contexts and ordinals.
+#[derive(Clone, Copy, Debug)]
+pub struct ContextModel {
+    width: usize,
+    /// Context = (word >> shift) & mask.
+    shift: u32,
+    mask: u64,
+    /// Sign-magnitude floating point: ordinals flip the magnitude of
+    /// negative values so that adjacent values differ by one.
+    float: bool,
+}
+
+impl ContextModel {
+    pub fn for_dtype(dtype: DType) -> Self {
+        let (shift, bits, float) = match dtype.0 {
+            Dtype::BF16 => (7, 8, true),
+            Dtype::F16 => (10, 5, true),
+            Dtype::F32 => (23, 8, true),
+            Dtype::F64 => (52, 11, true),
+            Dtype::F8_E4M3 => (3, 4, true),
+            Dtype::F8_E5M2 => (2, 5, true),
+            // Integers and packed types: one context, two's-complement steps.
+            _ => (0, 0, false),
+        };
+        ContextModel { width: dtype.word_bytes(), shift, mask: (1u64 << bits) - 1, float }
+    }
+
+    pub fn contexts(&self) -> usize {
+        self.mask as usize + 1
+    }
+
+    #[inline(always)]
+    fn context(&self, word: u64) -> usize {
+        ((word >> self.shift) & self.mask) as usize
+    }
+
+    fn bits(&self) -> u32 {
+        8 * self.width as u32
+    }
+
+    fn word_mask(&self) -> u64 {
+        if self.width == 8 {
+            u64::MAX
+        } else {
+            (1u64 << self.bits()) - 1
+        }
+    }
+
+    /// Order-preserving bijection of words (for floats: -max .. -0, +0 .. +max).
+    #[inline(always)]
+    fn ordinal(&self, word: u64) -> u64 {
+        let sign = 1u64 << (self.bits() - 1);
+        if self.float && word & sign != 0 {
+            word ^ (sign - 1)
+        } else {
+            word
+        }
+    }
+
+    #[inline(always)]
+    fn from_ordinal(&self, ord: u64) -> u64 {
+        self.ordinal(ord) // the map is an involution
+    }
+
+    /// The signed step from old to new in representable values, in w-bit
+    /// two's-complement arithmetic.
+    #[inline(always)]
+    fn step(&self, old: u64, new: u64) -> i64 {
+        let bits = self.bits();
+        let d = self.ordinal(new).wrapping_sub(self.ordinal(old)) & self.word_mask();
+        ((d << (64 - bits)) as i64) >> (64 - bits)
+    }
+
+    #[inline(always)]
+    fn apply_step(&self, old: u64, step: i64) -> u64 {
+        self.from_ordinal(self.ordinal(old).wrapping_add(step as u64) & self.word_mask())
+    }
+
+    #[inline(always)]
+    fn sign(&self, word: u64) -> usize {
+        ((word >> (self.bits() - 1)) & 1) as usize
+    }
+}
+
+/// Adaptive probabilities of the ulp steps, per context.
+const UNARY: usize = 8;
+
+struct StepModel {
+    sign: Vec<[u16; 2]>,
+    magnitude: Vec<[u16; UNARY]>,
+}
+
+impl StepModel {
+    fn new(contexts: usize) -> Self {
+        StepModel { sign: vec![[PROB_INIT; 2]; contexts], magnitude: vec![[PROB_INIT; UNARY]; contexts] }
+    }
+
+    fn encode(&mut self, rc: &mut RangeEncoder, ctx: usize, old_sign: usize, step: i64) {
+        rc.bit(&mut self.sign[ctx][old_sign], step < 0);
+        let v = step.unsigned_abs() - 1; // steps are never 0
+        for i in 0..UNARY {
+            let more = v > i as u64;
+            rc.bit(&mut self.magnitude[ctx][i], more);
+            if !more {
+                return;
+            }
+        }
+        let r = v - UNARY as u64 + 1;
+        let nbits = 64 - r.leading_zeros();
+        rc.direct(u64::from(nbits), 7);
+        rc.direct(r, nbits - 1);
+    }
+
+    fn decode(&mut self, rc: &mut RangeDecoder<'_>, ctx: usize, old_sign: usize) -> Option<i64> {
+        let negative = rc.bit(&mut self.sign[ctx][old_sign]);
+        let mut v = 0u64;
+        while (v as usize) < UNARY && rc.bit(&mut self.magnitude[ctx][v as usize]) {
+            v += 1;
+        }
+        if v as usize == UNARY {
+            let nbits = rc.direct(7) as u32;
+            if nbits == 0 || nbits > 64 {
+                return None;
+            }
+            let r = (1u64 << (nbits - 1)) | rc.direct(nbits - 1);
+            v = r.checked_add(UNARY as u64 - 1)?;
+        }
+        let a = v.checked_add(1)?;
+        Some(if negative { (a as i64).wrapping_neg() } else { a as i64 })
+    }
+}
+
+// ------------------------------------------------------------ bit streams
+
+struct BitWriter {
+    out: Vec<u8>,
+    acc: u64,
+    n: u32,
+}
+
+impl BitWriter {
+    fn new() -> Self {
+        BitWriter { out: Vec::new(), acc: 0, n: 0 }
+    }
+    #[inline(always)]
+    fn put(&mut self, value: u64, bits: u32) {
+        debug_assert!(bits <= 32);
+        self.acc |= (value & ((1u64 << bits) - 1)) << self.n;
+        self.n += bits;
+        while self.n >= 8 {
+            self.out.push(self.acc as u8);
+            self.acc >>= 8;
+            self.n -= 8;
+        }
+    }
+    fn finish(mut self) -> Vec<u8> {
+        if self.n > 0 {
+            self.out.push(self.acc as u8);
+        }
+        self.out
+    }
+}
+
+struct BitReader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+    acc: u64,
+    n: u32,
+}
+
+impl<'a> BitReader<'a> {
+    fn new(buf: &'a [u8]) -> Self {
+        BitReader { buf, pos: 0, acc: 0, n: 0 }
+    }
+    #[inline(always)]
+    fn refill(&mut self) {
+        while self.n <= 56 && self.pos < self.buf.len() {
+            self.acc |= u64::from(self.buf[self.pos]) << self.n;
+            self.pos += 1;
+            self.n += 8;
+        }
+    }
+    #[inline(always)]
+    fn get(&mut self, bits: u32) -> Option<u64> {
+        if self.n < bits {
+            self.refill();
+            if self.n < bits {
+                return None;
+            }
+        }
+        let v = self.acc & ((1u64 << bits) - 1);
+        self.acc >>= bits;
+        self.n -= bits;
+        Some(v)
+    }
+}
+
+const RICE_ESCAPE: u64 = 32;
+
+fn put_rice(w: &mut BitWriter, g: u64, k: u32) {
+    let q = g >> k;
+    if q >= RICE_ESCAPE {
+        w.put((1 << RICE_ESCAPE) - 1, RICE_ESCAPE as u32);
+        w.put(g, 32);
+    } else {
+        // q ones then a zero, then k low bits
+        w.put((1u64 << q) - 1, q as u32 + 1);
+        if k > 0 {
+            w.put(g, k);
+        }
+    }
+}
+
+#[inline(always)]
+fn get_rice(r: &mut BitReader<'_>, k: u32) -> Option<u64> {
+    let mut q = 0u64;
+    while r.get(1)? == 1 {
+        q += 1;
+        if q == RICE_ESCAPE {
+            return r.get(32);
+        }
+    }
+    let low = if k > 0 { r.get(k)? } else { 0 };
+    Some((q << k) | low)
+}
+
+fn rice_cost(gaps: &[u32], k: u32) -> u64 {
+    gaps.iter()
+        .map(|&g| {
+            let q = u64::from(g) >> k;
+            if q >= RICE_ESCAPE {
+                RICE_ESCAPE + 32
+            } else {
+                q + 1 + u64::from(k)
+            }
+        })
+        .sum()
+}
+
+const MODE_RICE: u8 = 0;
+const MODE_FLAGS: u8 = 1;
+
+#[inline(always)]
+fn load(bytes: &[u8], i: usize, width: usize) -> u64 {
+    let mut w = [0u8; 8];
+    w[..width].copy_from_slice(&bytes[i * width..(i + 1) * width]);
+    u64::from_le_bytes(w)
+}
+
+/// Encode `changes` (positions ascending, relative to the chunk) of a chunk
+/// whose base bytes are `old` and new bytes `new`.
+pub fn encode(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextModel, level: i32) -> Vec<u8> {
+    let w = model.width;
+    let n = old.len() / w;
+    let nctx = model.contexts();
+    let mut seen = vec![0u32; nctx]; // elements of each context so far
+    let mut next_free = vec![0u32; nctx]; // subsequence index after the last change
+    let mut gaps: Vec<Vec<u32>> = vec![Vec::new(); nctx];
+    let mut flags_needed = vec![false; nctx];
+    let mut steps = StepModel::new(nctx);
+    let mut rc = RangeEncoder::default();
+    let mut ptr = 0usize;
+    let positions = &changes.positions;
+    // One pass: count each context's elements; at a change, record its gap
+    // within the context and its ulp step.
+    let mut run_start = 0usize;
+    loop {
+        let stop = positions.get(ptr).map_or(n, |&p| p as usize);
+        // Count the unchanged elements before the next change.
+        for i in run_start..stop {
+            seen[model.context(load(old, i, w))] += 1;
+        }
+        if stop == n {
+            break;
+        }
+        let o = load(old, stop, w);
+        let c = model.context(o);
+        gaps[c].push(seen[c] - next_free[c]);
+        seen[c] += 1;
+        next_free[c] = seen[c];
+        steps.encode(&mut rc, c, model.sign(o), model.step(o, load(new, stop, w)));
+        ptr += 1;
+        run_start = stop + 1;
+    }
+    // Per context: Rice with the best parameter, or one flag per element
+    // when that is cheaper (dense contexts).
+    let mut table = Vec::new();
+    let mut bits = BitWriter::new();
+    let mut listed = 0u64;
+    let mut prev_ctx = 0usize;
+    let mut body = Vec::new();
+    for c in 0..nctx {
+        let m_c = gaps[c].len() as u64;
+        if m_c == 0 {
+            continue;
+        }
+        let n_c = u64::from(seen[c]);
+        let mean = (n_c - m_c) as f64 / m_c as f64;
+        let guess = if mean > 1.0 { (mean * std::f64::consts::LN_2).log2().max(0.0) as u32 } else { 0 };
+        let (k, cost) = (guess.saturating_sub(1)..=guess + 1)
+            .map(|k| (k.min(31), rice_cost(&gaps[c], k.min(31))))
+            .min_by_key(|&(_, cost)| cost)
+            .expect("three candidates");
+        flags_needed[c] = n_c < cost;
+        let mut w_c = std::mem::replace(&mut bits, BitWriter::new());
+        if flags_needed[c] {
+            let mut idx = 0u32;
+            for &g in &gaps[c] {
+                for _ in 0..g {
+                    w_c.put(0, 1);
+                }
+                w_c.put(1, 1);
+                idx += g + 1;
+            }
+            for _ in idx..seen[c] {
+                w_c.put(0, 1);
+            }
+        } else {
+            for &g in &gaps[c] {
+                put_rice(&mut w_c, u64::from(g), k);
+            }
+        }
+        let stream = w_c.finish();
+        put_varint(&mut table, (c - prev_ctx) as u64);
+        put_varint(&mut table, m_c);
+        table.push(if flags_needed[c] { MODE_FLAGS } else { MODE_RICE });
+        table.push(k as u8);
+        put_varint(&mut table, stream.len() as u64);
+        body.extend_from_slice(&stream);
+        prev_ctx = c;
+        listed += 1;
+    }
+    let values = rc.finish();
+    let mut out = Vec::new();
+    put_varint(&mut out, listed);
+    put_stream(&mut out, &table, level);
+    put_stream(&mut out, &body, level);
+    put_stream(&mut out, &values, level);
+    out
+}
+
+enum CtxState<'a> {
+    Absent,
+    Rice { reader: BitReader<'a>, k: u32, remaining: u64, countdown: u64 },
+    Flags { reader: BitReader<'a>, remaining: u64 },
+}
+
+/// Decode a context-coded payload against the chunk's base bytes `old`.
+/// Returns the changes as XOR masks or new words (by `kind`).
+pub fn decode(
+    payload: &[u8],
+    old: &[u8],
+    model: &ContextModel,
+    n_changed: u32,
+    kind: ChangeKind,
+    context: &str,
+) -> Result<SparseChanges> {
+    let w = model.width;
+    let n = old.len() / w;
+    let m = n_changed as usize;
+    let bad = |detail: &str| Error::corrupt(context, detail.to_string());
+    let mut pos = 0usize;
+    let listed = get_varint(payload, &mut pos, 10).ok_or_else(|| bad("context count missing"))? as usize;
+    let nctx = model.contexts();
+    if listed > nctx || listed > m {
+        return Err(bad("more contexts listed than exist or changed"));
+    }
+    let mut r = StreamReader::new(&payload[pos..], context);
+    let table = r.next("context table", 0, listed * 32)?;
+    let body = r.next("positions", 0, n.div_ceil(8) + m * 9 + listed)?;
+    let values = r.next("ulp steps", 5, m * 24 + 5)?;
+    r.finish()?;
+
+    let mut states: Vec<CtxState<'_>> = (0..nctx).map(|_| CtxState::Absent).collect();
+    let (mut tpos, mut bpos, mut ctx, mut total) = (0usize, 0usize, 0usize, 0u64);
+    for i in 0..listed {
+        let delta = get_varint(&table, &mut tpos, 10).ok_or_else(|| bad("context table truncated"))? as usize;
+        ctx = ctx.checked_add(delta).filter(|&c| c < nctx && (i == 0 || delta > 0)).ok_or_else(|| bad("context ids out of order"))?;
+        let m_c = get_varint(&table, &mut tpos, 10).ok_or_else(|| bad("context table truncated"))?;
+        let mode = *table.get(tpos).ok_or_else(|| bad("context table truncated"))?;
+        let k = u32::from(*table.get(tpos + 1).ok_or_else(|| bad("context table truncated"))?);
+        tpos += 2;
+        let len = get_varint(&table, &mut tpos, 10).ok_or_else(|| bad("context table truncated"))? as usize;
+        let end = bpos.checked_add(len).filter(|&e| e <= body.len()).ok_or_else(|| bad("position stream overruns"))?;
+        let mut reader = BitReader::new(&body[bpos..end]);
+        bpos = end;
+        if m_c == 0 || k > 31 {
+            return Err(bad("bad context entry"));
+        }
+        total += m_c;
+        states[ctx] = match mode {
+            MODE_RICE => {
+                let countdown = get_rice(&mut reader, k).ok_or_else(|| bad("position stream ends early"))?;
+                CtxState::Rice { reader, k, remaining: m_c, countdown }
+            }
+            MODE_FLAGS => CtxState::Flags { reader, remaining: m_c },
+            code => return Err(Error::UnknownCode { what: "context position mode", code, context: context.into() }),
+        };
+    }
+    if tpos != table.len() || bpos != body.len() || total != m as u64 {
+        return Err(bad("context table does not match the chunk's change count"));
+    }
+    let mut out = SparseChanges { positions: Vec::with_capacity(m), values: Vec::with_capacity(m) };
+    let mut steps = StepModel::new(nctx);
+    let mut rc = RangeDecoder::new(&values).ok_or_else(|| bad("ulp step stream too short"))?;
+    for i in 0..n {
+        let o = load(old, i, w);
+        let changed = match &mut states[model.context(o)] {
+            CtxState::Absent => false,
+            CtxState::Rice { reader, k, remaining, countdown } => {
+                if *remaining == 0 {
+                    false
+                } else if *countdown > 0 {
+                    *countdown -= 1;
+                    false
+                } else {
+                    *remaining -= 1;
+                    if *remaining > 0 {
+                        *countdown = get_rice(reader, *k).ok_or_else(|| bad("position stream ends early"))?;
+                    }
+                    true
+                }
+            }
+            CtxState::Flags { reader, remaining } => {
+                if *remaining == 0 {
+                    false
+                } else {
+                    let f = reader.get(1).ok_or_else(|| bad("flag stream ends early"))? == 1;
+                    *remaining -= u64::from(f);
+                    f
+                }
+            }
+        };
+        if changed {
+            let c = model.context(o);
+            let step = steps.decode(&mut rc, c, model.sign(o)).ok_or_else(|| bad("bad ulp step"))?;
+            if rc.overrun() {
+                return Err(bad("ulp step stream ends early"));
+            }
+            let new = model.apply_step(o, step);
+            if new == o {
+                return Err(bad("a listed change does not change its element"));
+            }
+            out.positions.push(i as u32);
+            out.values.push(match kind {
+                ChangeKind::Xor => o ^ new,
+                ChangeKind::Overwrite => new,
+            });
+        }
+    }
+    let leftover = states.iter().any(|s| match s {
+        CtxState::Absent => false,
+        CtxState::Rice { remaining, .. } | CtxState::Flags { remaining, .. } => *remaining > 0,
+    });
+    if leftover || out.positions.len() != m {
+        return Err(bad("positions or steps left over after the last element"));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ordinal_is_an_exact_involution_and_steps_round_trip() {
+        let m = ContextModel::for_dtype(DType(Dtype::BF16));
+        for a in (0u64..65536).step_by(7) {
+            assert_eq!(m.from_ordinal(m.ordinal(a)), a);
+            for b in [a ^ 1, a ^ 0x8000, (a + 3) & 0xffff, 0x7fc1, 0xffff, 0] {
+                assert_eq!(m.apply_step(a, m.step(a, b)), b, "{a:#x} -> {b:#x}");
+            }
+        }
+        let m = ContextModel::for_dtype(DType(Dtype::I64));
+        for (a, b) in [(0u64, u64::MAX), (u64::MAX, 0), (5, 1 << 63)] {
+            assert_eq!(m.apply_step(a, m.step(a, b)), b);
+        }
+    }
+
+    #[test]
+    fn rice_round_trip_with_escape() {
+        let gaps = [0u64, 1, 5, 200, 1 << 31, 3];
+        let mut w = BitWriter::new();
+        for &g in &gaps {
+            put_rice(&mut w, g, 2);
+        }
+        let buf = w.finish();
+        let mut r = BitReader::new(&buf);
+        for &g in &gaps {
+            assert_eq!(get_rice(&mut r, 2), Some(g));
+        }
+    }
+}

@@ -1,0 +1,178 @@
+//! An adaptive binary range coder (the classic 11-bit-probability,
+//! carry-propagating design of LZMA): each binary decision is coded with a
+//! probability that adapts to what it has seen in its context.
+
+pub const PROB_BITS: u32 = 11;
+pub const PROB_INIT: u16 = 1 << (PROB_BITS - 1);
+const MOVE_BITS: u32 = 5;
+const TOP: u32 = 1 << 24;
+
+pub struct RangeEncoder {
+    low: u64,
+    range: u32,
+    cache: u8,
+    cache_size: u64,
+    out: Vec<u8>,
+}
+
+impl Default for RangeEncoder {
+    fn default() -> Self {
+        RangeEncoder { low: 0, range: u32::MAX, cache: 0, cache_size: 1, out: Vec::new() }
+    }
+}
+
+impl RangeEncoder {
+    fn shift_low(&mut self) {
+        if (self.low as u32) < 0xff00_0000 || (self.low >> 32) != 0 {
+            let carry = (self.low >> 32) as u8;
+            let mut c = self.cache;
+            loop {
+                self.out.push(c.wrapping_add(carry));
+                c = 0xff;
+                self.cache_size -= 1;
+                if self.cache_size == 0 {
+                    break;
+                }
+            }
+            self.cache = ((self.low >> 24) & 0xff) as u8;
+        }
+        self.cache_size += 1;
+        self.low = (self.low & 0x00ff_ffff) << 8;
+    }
+
+    #[inline(always)]
+    pub fn bit(&mut self, prob: &mut u16, bit: bool) {
+        let bound = (self.range >> PROB_BITS) * u32::from(*prob);
+        if !bit {
+            self.range = bound;
+            *prob += ((1 << PROB_BITS) - *prob) >> MOVE_BITS;
+        } else {
+            self.low += u64::from(bound);
+            self.range -= bound;
+            *prob -= *prob >> MOVE_BITS;
+        }
+        while self.range < TOP {
+            self.range <<= 8;
+            self.shift_low();
+        }
+    }
+
+    /// `bits` low bits of `value`, each with probability one half.
+    pub fn direct(&mut self, value: u64, bits: u32) {
+        for i in (0..bits).rev() {
+            self.range >>= 1;
+            if (value >> i) & 1 == 1 {
+                self.low += u64::from(self.range);
+            }
+            while self.range < TOP {
+                self.range <<= 8;
+                self.shift_low();
+            }
+        }
+    }
+
+    pub fn finish(mut self) -> Vec<u8> {
+        for _ in 0..5 {
+            self.shift_low();
+        }
+        self.out
+    }
+}
+
+pub struct RangeDecoder<'a> {
+    buf: &'a [u8],
+    pos: usize,
+    range: u32,
+    code: u32,
+}
+
+impl<'a> RangeDecoder<'a> {
+    /// `None` when the stream is too short to start.
+    pub fn new(buf: &'a [u8]) -> Option<Self> {
+        if buf.len() < 5 || buf[0] != 0 {
+            return None;
+        }
+        let code = u32::from_be_bytes(buf[1..5].try_into().expect("4"));
+        Some(RangeDecoder { buf, pos: 5, range: u32::MAX, code })
+    }
+
+    #[inline(always)]
+    fn next_byte(&mut self) -> u32 {
+        // Past the end the stream reads as zeros; `exhausted` tells.
+        let b = self.buf.get(self.pos).copied().unwrap_or(0);
+        self.pos += 1;
+        u32::from(b)
+    }
+
+    /// Whether more bytes were consumed than the stream holds (corruption).
+    pub fn overrun(&self) -> bool {
+        self.pos > self.buf.len()
+    }
+
+    #[inline(always)]
+    pub fn bit(&mut self, prob: &mut u16) -> bool {
+        let bound = (self.range >> PROB_BITS) * u32::from(*prob);
+        let bit = if self.code < bound {
+            self.range = bound;
+            *prob += ((1 << PROB_BITS) - *prob) >> MOVE_BITS;
+            false
+        } else {
+            self.code -= bound;
+            self.range -= bound;
+            *prob -= *prob >> MOVE_BITS;
+            true
+        };
+        while self.range < TOP {
+            self.range <<= 8;
+            self.code = (self.code << 8) | self.next_byte();
+        }
+        bit
+    }
+
+    pub fn direct(&mut self, bits: u32) -> u64 {
+        let mut v = 0u64;
+        for _ in 0..bits {
+            self.range >>= 1;
+            let b = if self.code >= self.range {
+                self.code -= self.range;
+                1
+            } else {
+                0
+            };
+            v = (v << 1) | b;
+            while self.range < TOP {
+                self.range <<= 8;
+                self.code = (self.code << 8) | self.next_byte();
+            }
+        }
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_skewed_bits_and_direct_values() {
+        let mut probs = [PROB_INIT; 4];
+        let mut e = RangeEncoder::default();
+        let mut x = 12345u64;
+        let mut truth = Vec::new();
+        for i in 0..20_000 {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let bit = (x >> 33) % 10 == 0;
+            e.bit(&mut probs[i % 4], bit);
+            e.direct(x >> 40, 7);
+            truth.push((bit, (x >> 40) & 0x7f));
+        }
+        let out = e.finish();
+        let mut probs = [PROB_INIT; 4];
+        let mut d = RangeDecoder::new(&out).unwrap();
+        for (i, (bit, v)) in truth.into_iter().enumerate() {
+            assert_eq!(d.bit(&mut probs[i % 4]), bit);
+            assert_eq!(d.direct(7), v);
+        }
+        assert!(!d.overrun());
+    }
+}

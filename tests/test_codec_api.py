@@ -1,0 +1,154 @@
+"""Round trips through the Python API: every dtype, every bit pattern, zero copy."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dcr
+
+TORCH_DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+]
+
+INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def random_bits(gen: torch.Generator, dtype: torch.dtype, n: int) -> torch.Tensor:
+    """Arbitrary stored bit patterns of `dtype` (NaN payloads, -0.0, subnormals, inf included)."""
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=gen, dtype=torch.uint8).bool()
+    width = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n * width,), generator=gen, dtype=torch.uint8)
+    return raw.view(dtype)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype == torch.bool:
+        return bool(torch.equal(a, b))
+    v = INT_VIEW[a.element_size()]
+    return bool(torch.equal(a.view(v), b.view(v)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=5),
+    dtypes=st.lists(st.sampled_from(TORCH_DTYPES), min_size=5, max_size=5),
+    rate=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**31),
+    chunk_bytes=st.sampled_from([64, 1000, 4096, 1 << 22]),
+    kind=st.sampled_from(["xor", "overwrite"]),
+)
+def test_apply_of_diff_reproduces_new_bit_for_bit(sizes, dtypes, rate, seed, chunk_bytes, kind):
+    gen = torch.Generator().manual_seed(seed)
+    old, new = {}, {}
+    for i, n in enumerate(sizes):
+        dt = dtypes[i]
+        o = random_bits(gen, dt, n)
+        fresh = random_bits(gen, dt, n)
+        mask = torch.rand(n, generator=gen) < rate * rate
+        w = o.clone()
+        w[mask] = fresh[mask]
+        old[f"t{i}"], new[f"t{i}"] = o, w
+    delta, stats = dcr.diff_tensors(old, new, chunk_bytes=chunk_bytes, kind=kind)
+    target = {k: v.clone() for k, v in old.items()}
+    dcr.apply_tensors(delta, target)
+    for k in new:
+        assert bits_equal(target[k], new[k]), k
+    changed = sum(int((~(old[k].view(torch.uint8) == new[k].view(torch.uint8))).any()) for k in old)
+    assert (stats["changed_elements"] > 0) == (changed > 0)
+    assert dcr.digest_tensors(target) == dcr.digest_tensors(new) == stats["target_digest"]
+
+
+def test_special_float_bits_survive():
+    specials = torch.tensor([0x7FC1, 0xFFC1, 0x8000, 0x0000, 0x0001, 0x807F, 0x7F80, 0xFF80], dtype=torch.int32).to(torch.uint16).view(torch.int16)
+    old = {"w": specials.view(torch.bfloat16).clone()}
+    new = {"w": specials.flip(0).view(torch.bfloat16).clone()}
+    delta, stats = dcr.diff_tensors(old, new)
+    assert stats["changed_elements"] == 8
+    tgt = {"w": old["w"].clone()}
+    dcr.apply_tensors(delta, tgt)
+    assert torch.equal(tgt["w"].view(torch.int16), new["w"].view(torch.int16))
+
+
+def test_numpy_arrays_zero_copy_in_place(rng):
+    old = {"a": rng.standard_normal(10_000).astype(np.float32), "b": rng.integers(0, 9, 77).astype(np.int64)}
+    new = {k: v.copy() for k, v in old.items()}
+    new["a"][::97] += 1.0
+    delta, _ = dcr.diff_tensors(old, new)
+    target = {k: v.copy() for k, v in old.items()}
+    ptr = target["a"].ctypes.data
+    dcr.apply_tensors(delta, target)
+    assert target["a"].ctypes.data == ptr  # applied in place
+    assert target["a"].tobytes() == new["a"].tobytes() and target["b"].tobytes() == new["b"].tobytes()
+
+
+def test_wrong_base_refused_before_any_byte_changes(rng):
+    old = {"a": rng.standard_normal(1000).astype(np.float32)}
+    new = {"a": old["a"] + 1}
+    delta, _ = dcr.diff_tensors(old, new)
+    other = {"a": old["a"] * 2}
+    before = other["a"].copy()
+    with pytest.raises(dcr.BaseMismatchError, match="dense refit"):
+        dcr.apply_tensors(delta, other)
+    assert other["a"].tobytes() == before.tobytes()
+
+
+def test_layout_mismatch_is_named():
+    old = {"a": np.zeros(10, np.float32)}
+    with pytest.raises(dcr.LayoutMismatchError, match="'a'"):
+        dcr.diff_tensors(old, {"a": np.zeros(11, np.float32)})
+    delta, _ = dcr.diff_tensors(old, {"a": np.ones(10, np.float32)})
+    with pytest.raises(dcr.LayoutMismatchError):
+        dcr.apply_tensors(delta, {"a": np.zeros(10, np.float64)})
+
+
+def test_bad_inputs_give_clear_errors():
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        dcr.diff_tensors({"a": np.zeros((4, 4))[:, 1]}, {"a": np.zeros(4)})
+    ro = np.zeros(4, np.float32)
+    ro.flags.writeable = False
+    delta, _ = dcr.diff_tensors({"a": np.zeros(4, np.float32)}, {"a": np.ones(4, np.float32)})
+    with pytest.raises(ValueError, match="read-only"):
+        dcr.apply_tensors(delta, {"a": ro})
+    shared = np.zeros(8, np.float32)
+    with pytest.raises(ValueError, match="share memory"):
+        dcr.apply_tensors(delta, {"a": shared[:4], "b": shared[:4]})
+
+
+def test_gil_is_released_during_work(rng):
+    """Another Python thread keeps running while a large diff runs."""
+    old = {"a": rng.integers(0, 2**16, 8_000_000, dtype=np.uint16)}
+    new = {"a": old["a"] ^ (rng.random(8_000_000) < 0.03).astype(np.uint16)}
+    ticks = []
+    stop = threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            ticks.append(1)
+
+    t = threading.Thread(target=ticker)
+    t.start()
+    try:
+        for _ in range(3):
+            dcr.diff_tensors(old, new, threads=1)
+    finally:
+        stop.set()
+        t.join()
+    assert len(ticks) > 100
