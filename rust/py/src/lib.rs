@@ -482,6 +482,7 @@ fn receiver_status<'py>(py: Python<'py>, target: PathBuf, journal: Option<PathBu
     d.set_item("torn_tail", torn_dict(py, &st.torn_tail)?)?;
     d.set_item("undo_bytes", st.undo_bytes)?;
     Ok(d)
+}
 
 /// Parse, validate and decode a whole delta: its header and, per chunk,
 /// (tensor name, start word, word width, kind, positions as uint32 LE bytes,
