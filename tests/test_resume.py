@@ -73,7 +73,7 @@ def test_apply_is_resumable_under_sigkill(model: tuple[list[Path], list[Path]], 
     assert _apply(delta, probe).returncode == 0
     full = time.perf_counter() - t0
     t0 = time.perf_counter()
-    assert "already at version 1" in _apply(delta, probe).stdout
+    assert "target version 1" in _apply(delta, probe).stdout
     noop = time.perf_counter() - t0
     lo, hi = 0.6 * noop, 1.2 * max(full, noop + 0.05)
 
@@ -135,7 +135,7 @@ def test_apply_is_resumable_under_sigkill(model: tuple[list[Path], list[Path]], 
                 n_done = stats["episodes"]
             # A second apply is a no-op (checked on some episodes: each costs a process start).
             again = _apply(delta, target) if n_done % 4 == 0 else None
-            if again is not None and (again.returncode != 0 or "already at version 1" not in again.stdout):
+            if again is not None and (again.returncode != 0 or "target version 1" not in again.stdout):
                 failures.append(f"worker {wid}: second apply was not a no-op: {again.stdout} {again.stderr}")
                 return
             st = dcr.receiver_status(target)

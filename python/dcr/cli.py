@@ -78,7 +78,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     elif not args.quiet:
         if result["outcome"] == "already_at_target":
             print(
-                f"{args.target} is already at version {result['version']} "
+                f"{args.target} is already at the delta's target version {result['version']} "
                 f"(digest {result['digest'][:16]}); nothing to do"
             )
         else:
