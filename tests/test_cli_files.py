@@ -201,3 +201,17 @@ def test_progress_callback_reports_completion(real_pair, tmp_path):
     seen = []
     dcr.diff_files(old, new, tmp_path / "d.dcr", progress=lambda done, total: seen.append((done, total)))
     assert seen and seen[-1][0] == seen[-1][1] > 0
+
+
+def test_dense_delta_bootstraps_any_target_of_the_layout(ckpt_pair, tmp_path):
+    old, new = ckpt_pair
+    full = tmp_path / "full.dcr"
+    stats = dcr.diff_files(old, new, full, dense=True)
+    assert stats["changed_elements"] == stats["total_elements"]
+    junk = tmp_path / "junk.safetensors"
+    data = bytearray(old.read_bytes())
+    for i in range(len(data) - 1, len(data) - 2000, -3):
+        data[i] ^= 0x5A  # neither OLD nor NEW
+    junk.write_bytes(bytes(data))
+    assert dcr.apply_file(full, junk)["outcome"] == "applied"
+    assert junk.read_bytes() == new.read_bytes()

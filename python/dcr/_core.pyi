@@ -28,6 +28,10 @@ __all__ = [
     "file_digest",
     "find_changes",
     "inspect_file",
+    "publish_delta",
+    "receive_delta",
+    "relay_main",
+    "TransportError",
     "receiver_status",
     "refit_file",
 ]
@@ -45,6 +49,7 @@ class LayoutMismatchError(DcrError): ...
 class VerificationError(DcrError): ...
 class CheckpointError(DcrError): ...
 class JournalError(DcrError): ...
+class TransportError(DcrError): ...
 
 _Span = tuple[int, int]
 
@@ -59,6 +64,7 @@ def diff_files(
     mode: str = "free",
     base_version: int = 0,
     target_version: int = 1,
+    dense: bool = False,
     threads: int | None = None,
     progress: Callable[[int, int], object] | None = None,
 ) -> dict[str, Any]: ...
@@ -94,6 +100,26 @@ def digest_buffers(names: list[str], dtypes: list[str], shapes: list[list[int]],
 def find_changes(old: _Span, new: _Span, width: int, kind: str = "xor") -> tuple[bytes, bytes]: ...
 def apply_changes(target: _Span, width: int, positions: bytes, values: bytes, kind: str = "xor") -> None: ...
 def decode_delta(delta: bytes) -> tuple[dict[str, Any], list[tuple[str, int, int, str, bytes, bytes]]]: ...
+def publish_delta(
+    delta: str | Any,
+    to: str,
+    *,
+    key_file: str | Any | None = None,
+    version: int | None = None,
+    expect_acks: int = 0,
+    ack_timeout_s: float = 120.0,
+    standby: list[str] = ...,
+) -> dict[str, Any]: ...
+def receive_delta(
+    target: str | Any,
+    parents: list[str],
+    *,
+    key_file: str | Any | None = None,
+    receiver_id: str | None = None,
+    from_version: int = 0,
+    timeout_s: float = 600.0,
+) -> dict[str, Any]: ...
+def relay_main(argv: list[str]) -> int: ...
 
 # ------------------------------------------------------------ resumable receiver (issue 3)
 

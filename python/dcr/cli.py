@@ -47,6 +47,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         mode=args.mode,
         base_version=args.base_version,
         target_version=args.target_version,
+        dense=args.dense,
         threads=args.threads,
         progress=progress,
     )
@@ -169,6 +170,90 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_relay_address(addr: str) -> bool:
+    return "://" not in addr
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    if not _is_relay_address(args.to):
+        raise ValueError(f"--to {args.to}: object-storage URLs are not supported by this build; pass a relay HOST:PORT")
+    t0 = time.perf_counter()
+    report = dcr._core.publish_delta(
+        args.delta,
+        args.to,
+        key_file=args.key_file,
+        version=args.version,
+        expect_acks=args.expect_acks,
+        ack_timeout_s=args.ack_timeout,
+        standby=args.standby,
+    )
+    report["seconds"] = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps(report, indent=2))
+    elif not args.quiet:
+        print(
+            f"published v{report['version']}: {report['chunks']} chunks, {_human(report['bytes'])} to {args.to} "
+            f"in {report['seconds']:.2f} s"
+        )
+        if args.expect_acks:
+            print(f"  {len(report['committed'])} of {args.expect_acks} receivers committed"
+                  + "".join(f"\n  FAILED {n}: {r}" for n, r in report["failed"]))
+    if args.expect_acks and not report["all_committed"]:
+        return 1
+    return 0
+
+
+def cmd_receive(args: argparse.Namespace) -> int:
+    parents = [p for p in args.source.split(",") if p]
+    if not all(_is_relay_address(p) for p in parents):
+        raise ValueError(f"--from {args.source}: object-storage URLs are not supported by this build; pass relay HOST:PORT[,HOST:PORT...]")
+    from_version = args.from_version
+    for _ in range(max(args.follow, 1)):
+        t0 = time.perf_counter()
+        result = dcr._core.receive_delta(
+            args.target,
+            parents,
+            key_file=args.key_file,
+            receiver_id=args.receiver_id,
+            from_version=from_version,
+            timeout_s=args.timeout,
+        )
+        result["seconds"] = time.perf_counter() - t0
+        from_version = result["version"] + 1
+        _report_receive(args, result)
+    return 0
+
+
+def _report_receive(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    if args.json:
+        print(json.dumps(result), flush=True)
+    elif not args.quiet:
+        if result["outcome"] == "already_at_target":
+            print(f"{args.target} already holds v{result['version']}; committed")
+        else:
+            print(
+                f"{args.target}: v{result['version']} applied from {result['parent']} ({result['chunks']} chunks, "
+                f"{result['changed_elements']:,} elements, {result['failovers']} failovers) in {result['seconds']:.2f} s; "
+                "digests verified, committed",
+                flush=True,
+            )
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    return int(dcr._core.relay_main(["dcr-relay", *args.relay_args]))
+
+
+def relay_entry() -> None:
+    """The `dcr-relay` command installed with the package (same as the standalone binary)."""
+    sys.exit(int(dcr._core.relay_main(["dcr-relay", *sys.argv[1:]])))
+
+
+def cmd_bench_refit(args: argparse.Namespace) -> int:
+    from dcr import benchrefit
+
+    return benchrefit.run(args)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from dcr import demo
 
@@ -190,6 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--level", type=int, default=1, help="zstd level of the payload streams (default 1)")
     d.add_argument("--base-version", type=int, default=0)
     d.add_argument("--target-version", type=int, default=1)
+    d.add_argument(
+        "--dense",
+        action="store_true",
+        help="a dense delta: all of NEW as overwrites, applicable to any target of the same layout "
+        "(bootstraps a new receiver through the same transport; OLD only gives the layout)",
+    )
     d.set_defaults(func=cmd_diff)
 
     a = sub.add_parser(
@@ -217,6 +308,37 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--all", action="store_true", help="list unchanged tensors too")
     i.set_defaults(func=cmd_inspect)
 
+    pb = sub.add_parser("publish", help="stream a delta to a relay tree (its root relay)")
+    pb.add_argument("delta")
+    pb.add_argument("--to", required=True, help="root relay HOST:PORT")
+    pb.add_argument("--key-file", default=None, help="pre-shared key file of the relay tree")
+    pb.add_argument("--version", type=int, default=None, help="version to publish as (default: the delta's target version)")
+    pb.add_argument("--expect-acks", type=int, default=0, help="wait until this many receivers report (exit 1 unless all commit)")
+    pb.add_argument("--ack-timeout", type=float, default=120.0)
+    pb.add_argument("--standby", action="append", default=[], help="standby root HOST:PORT (repeatable)")
+    pb.set_defaults(func=cmd_publish)
+
+    rc = sub.add_parser("receive", help="receive a delta from a relay tree and apply it in place (exit 0 once committed)")
+    rc.add_argument("target")
+    rc.add_argument("--from", dest="source", required=True, help="parent relays HOST:PORT[,HOST:PORT...] in failover order")
+    rc.add_argument("--key-file", default=None)
+    rc.add_argument("--receiver-id", default=None)
+    rc.add_argument("--from-version", type=int, default=0, help="receive the first version >= this")
+    rc.add_argument("--timeout", type=float, default=600.0)
+    rc.add_argument("--follow", type=int, default=1, metavar="N", help="receive N successive versions, then exit")
+    rc.set_defaults(func=cmd_receive)
+
+    rl = sub.add_parser("relay", help="run a relay node (same as the dcr-relay command)", add_help=False)
+    rl.add_argument("relay_args", nargs=argparse.REMAINDER)
+    rl.set_defaults(func=cmd_relay)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    br = bench.add_parser("refit", help="delta vs dense refit over bandwidth-limited loopback relay links")
+    from dcr import benchrefit
+
+    benchrefit.add_arguments(br)
+    br.set_defaults(func=cmd_bench_refit)
+
     m = sub.add_parser("demo", help="train a small model and refit replicas with deltas, verifying every bit")
     m.add_argument("--out", type=Path, default=None, help="report folder (default: a fresh folder it names)")
     m.add_argument("--steps", type=int, default=5)
@@ -225,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=cmd_demo)
 
-    for sp in (d, a, s, v, i, m):
+    for sp in (d, a, s, v, i, m, pb, rc):
         sp.add_argument("--json", action="store_true", help="machine-readable output")
         sp.add_argument("-q", "--quiet", action="store_true")
         sp.add_argument("--threads", type=int, default=None, help="worker threads (default: all cores)")
@@ -233,10 +355,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["relay"]:  # everything after `relay` belongs to dcr-relay
+        return int(dcr._core.relay_main(["dcr-relay", *argv[1:]]))
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (dcr.DcrError, OSError, ValueError, TypeError) as e:
+    except (dcr.DcrError, OSError, ValueError, TypeError) as e:  # ConnectionError, TimeoutError are OSErrors
         print(f"dcr {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -21,7 +21,14 @@ pub struct DiffOptions {
     pub mode: Mode,
     pub base_version: u64,
     pub target_version: u64,
+    /// A dense delta: every element of the target as raw overwrites, with
+    /// the all-zero base digest, so it applies to any target of the same
+    /// layout (bootstrapping a receiver; the full-checkpoint reference).
+    pub dense: bool,
 }
+
+/// The base digest of a dense delta: "any base of this layout".
+pub const ANY_BASE: Digest = [0u8; 16];
 
 impl Default for DiffOptions {
     fn default() -> Self {
@@ -32,6 +39,7 @@ impl Default for DiffOptions {
             mode: Mode::Free,
             base_version: 0,
             target_version: 1,
+            dense: false,
         }
     }
 }
@@ -101,7 +109,7 @@ pub fn diff(
     layout.check_buffers(old.iter().map(|b| b.len()))?;
     layout.check_buffers(new.iter().map(|b| b.len()))?;
     let (old_d, new_d) = rayon::join(|| tensor_digests(old), || tensor_digests(new));
-    let base_digest = layout.checkpoint_digest(&old_d);
+    let base_digest = if opts.dense { ANY_BASE } else { layout.checkpoint_digest(&old_d) };
     let target_digest = layout.checkpoint_digest(&new_d);
     let delta_id = DeltaHeader::compute_id(
         &base_digest,
@@ -109,7 +117,7 @@ pub fn diff(
         opts.base_version,
         opts.target_version,
         opts.chunk_bytes,
-        &[opts.kind as u8, opts.mode as u8],
+        &[opts.kind as u8, opts.mode as u8, opts.dense as u8],
     );
     let header = DeltaHeader {
         delta_id,
@@ -153,6 +161,14 @@ pub fn diff(
             .map(|u| {
                 let w = layout.tensors()[u.tensor].dtype.word_bytes();
                 let range = (u.start as usize * w)..((u.start + u.len) as usize * w);
+                if opts.dense {
+                    return Ok(Some(codec::EncodedChunk {
+                        encoding: codec::Encoding::Raw,
+                        mode: Mode::Free,
+                        n_changed: u.len as u32,
+                        payload: new[u.tensor][range].to_vec(),
+                    }));
+                }
                 let model = (opts.mode == Mode::Context)
                     .then(|| codec::context::ContextModel::for_dtype(layout.tensors()[u.tensor].dtype));
                 codec::encode_chunk_with_context(&old[u.tensor][range.clone()], &new[u.tensor][range], w, enc, model.as_ref())
@@ -168,7 +184,7 @@ pub fn diff(
                 tensor: u.tensor as u32,
                 start: u.start,
                 len: u.len as u32,
-                kind: opts.kind,
+                kind: if opts.dense { ChangeKind::Overwrite } else { opts.kind },
                 encoding: chunk.encoding,
                 mode: chunk.mode,
                 n_changed: chunk.n_changed,
@@ -314,7 +330,7 @@ pub fn check_base(header: &DeltaHeader, layout: &Layout, digests: &[Digest]) -> 
     if found == header.target_digest {
         return Ok(true);
     }
-    if found != header.base_digest {
+    if found != header.base_digest && header.base_digest != ANY_BASE {
         return Err(Error::BaseMismatch {
             base_version: header.base_version,
             target_version: header.target_version,
@@ -459,4 +475,155 @@ pub fn compare(layout_a: &Layout, a: &[&[u8]], layout_b: &Layout, b: &[&[u8]]) -
 
 pub fn digest_string(d: &Digest) -> String {
     digest_hex(d)
+}
+
+/// Applies a delta chunk by chunk as its frames arrive (from a relay or
+/// object storage), in place. The base is checked before the first byte
+/// changes, each chunk is checked and decoded before it touches the target,
+/// duplicates are refused, and `finish` verifies the trailer and the target
+/// digests. Any failure can be undone with [`StreamApplier::rollback`]: XOR
+/// chunks are re-applied, overwritten bytes put back.
+pub struct StreamApplier<'t> {
+    header: DeltaHeader,
+    layout: Layout,
+    targets: Vec<&'t mut [u8]>,
+    base_digests: Vec<Digest>,
+    applied: Vec<(usize, std::ops::Range<usize>, ChangeKind, DecodedChunk, Option<DecodedChunk>)>,
+    seen: HashSet<u32>,
+    changed: u64,
+}
+
+/// Split a delta into the blobs a transport carries: the header blob
+/// (preamble + header frame), each chunk frame, and the trailer frame.
+pub fn split_frames(bytes: &[u8]) -> Result<(&[u8], Vec<&[u8]>, &[u8])> {
+    let mut pos = format::parse_preamble(bytes)?
+        .ok_or_else(|| Error::truncated("preamble", format::PREAMBLE_LEN as u64, bytes.len() as u64))?;
+    let mut frames = Vec::new();
+    while pos < bytes.len() {
+        let (_, used) = format::parse_frame(&bytes[pos..])?
+            .ok_or_else(|| Error::Incomplete { detail: format!("the delta ends inside a frame at byte {pos}") })?;
+        frames.push(&bytes[pos..pos + used]);
+        pos += used;
+    }
+    if frames.len() < 2 {
+        return Err(Error::Incomplete { detail: "a delta needs a header and a trailer frame".into() });
+    }
+    let header_end = format::PREAMBLE_LEN + frames[0].len();
+    let trailer = frames.pop().expect("two or more");
+    frames.remove(0);
+    Ok((&bytes[..header_end], frames, trailer))
+}
+
+fn parse_one(blob: &[u8], what: &str) -> Result<Frame> {
+    match format::parse_frame(blob)? {
+        Some((f, used)) if used == blob.len() => Ok(f),
+        Some(_) => Err(Error::corrupt(what, "trailing bytes after the frame")),
+        None => Err(Error::Incomplete { detail: format!("{what} is cut short") }),
+    }
+}
+
+impl<'t> StreamApplier<'t> {
+    /// Start from the header blob. `Ok(None)`: the target already holds the
+    /// delta's target version (nothing to do).
+    pub fn begin(header_blob: &[u8], layout: &Layout, targets: Vec<&'t mut [u8]>) -> Result<Option<Self>> {
+        let pre = format::parse_preamble(header_blob)?
+            .ok_or_else(|| Error::truncated("preamble", format::PREAMBLE_LEN as u64, header_blob.len() as u64))?;
+        let header = match parse_one(&header_blob[pre..], "header frame")? {
+            Frame::Header(h) => h,
+            _ => return Err(Error::corrupt("header blob", "not a header frame")),
+        };
+        layout.check_buffers(targets.iter().map(|t| t.len()))?;
+        let base_digests = tensor_digests(&targets.iter().map(|t| &**t).collect::<Vec<_>>());
+        if check_base(&header, layout, &base_digests)? {
+            return Ok(None);
+        }
+        Ok(Some(StreamApplier {
+            header,
+            layout: layout.clone(),
+            targets,
+            base_digests,
+            applied: Vec::new(),
+            seen: HashSet::new(),
+            changed: 0,
+        }))
+    }
+
+    pub fn header(&self) -> &DeltaHeader {
+        &self.header
+    }
+
+    /// Check, decode and apply one chunk frame.
+    pub fn chunk(&mut self, blob: &[u8]) -> Result<()> {
+        let c = match parse_one(blob, "chunk frame")? {
+            Frame::Chunk(c) => c,
+            _ => return Err(Error::corrupt("chunk blob", "not a chunk frame")),
+        };
+        let range = check_chunk(&self.header, &c)?;
+        if !self.seen.insert(c.seq) {
+            return Err(Error::DuplicateChunk { seq: c.seq });
+        }
+        let t = c.tensor as usize;
+        let slice = &mut self.targets[t][range.clone()];
+        let decoded = decode_against(&c, &range, &self.layout, slice)?;
+        let undo = (c.kind == ChangeKind::Overwrite).then(|| decoded.capture(slice));
+        decoded.apply(slice, c.kind);
+        self.changed += u64::from(c.n_changed);
+        self.applied.push((t, range, c.kind, decoded, undo));
+        Ok(())
+    }
+
+    /// Verify the trailer and the target digests; on a mismatch the target
+    /// is rolled back to its base and the error names the tensors.
+    pub fn finish(mut self, trailer_blob: &[u8]) -> Result<ApplyOutcome> {
+        let verdict = (|| {
+            let trailer = match parse_one(trailer_blob, "trailer frame")? {
+                Frame::Trailer(t) => t,
+                _ => return Err(Error::corrupt("trailer blob", "not a trailer frame")),
+            };
+            check_trailer(&self.header, &trailer, self.seen.len() as u32)?;
+            let after = tensor_digests(&self.targets.iter().map(|t| &**t).collect::<Vec<_>>());
+            let bad: Vec<String> = self
+                .layout
+                .tensors()
+                .iter()
+                .zip(after.iter().zip(&trailer.tensor_digests))
+                .filter(|(_, (a, b))| a != b)
+                .map(|(t, _)| t.name.clone())
+                .collect();
+            if bad.is_empty() {
+                Ok(())
+            } else {
+                Err(Error::TargetMismatch { count: bad.len(), first: bad[0].clone(), tensors: bad })
+            }
+        })();
+        match verdict {
+            Ok(()) => Ok(ApplyOutcome::Applied { chunks: self.applied.len() as u32, changed: self.changed }),
+            Err(e) => {
+                self.undo()?;
+                Err(e)
+            }
+        }
+    }
+
+    fn undo(&mut self) -> Result<()> {
+        for (t, range, kind, decoded, undo) in self.applied.drain(..).rev() {
+            let slice = &mut self.targets[t][range];
+            match (kind, undo) {
+                (ChangeKind::Xor, _) => decoded.apply(slice, ChangeKind::Xor),
+                (ChangeKind::Overwrite, Some(u)) => u.apply(slice, ChangeKind::Overwrite),
+                (ChangeKind::Overwrite, None) => unreachable!("overwrite chunks always capture"),
+            }
+        }
+        let restored = tensor_digests(&self.targets.iter().map(|t| &**t).collect::<Vec<_>>());
+        if restored != self.base_digests {
+            let lost: Vec<_> = self.layout.tensors().iter().zip(restored.iter().zip(&self.base_digests)).filter(|(_, (a, b))| a != b).collect();
+            return Err(Error::RollbackFailed { count: lost.len(), first: lost[0].0.name.clone() });
+        }
+        Ok(())
+    }
+
+    /// Undo every applied chunk: the target holds its base again.
+    pub fn rollback(mut self) -> Result<()> {
+        self.undo()
+    }
 }

@@ -187,3 +187,50 @@ fn context_mode_refuses_a_base_that_differs_in_one_bit() {
     apply_to(&bytes, &layout, &mut ok).unwrap();
     assert_eq!(ok, vec![new]);
 }
+
+#[test]
+fn stream_applier_applies_frame_by_frame_and_rolls_back() {
+    use dcr_core::delta::{split_frames, StreamApplier};
+    let specs = vec![
+        TensorSpec { name: "a".into(), dtype: DType::from_name("BF16").unwrap(), shape: vec![3000] },
+        TensorSpec { name: "b".into(), dtype: DType::from_name("F32").unwrap(), shape: vec![500] },
+    ];
+    let layout = Layout::new(specs).unwrap();
+    let old = vec![vec![7u8; 6000], vec![1u8; 2000]];
+    let mut new = old.clone();
+    for i in (0..6000).step_by(37) {
+        new[0][i] ^= 3;
+    }
+    new[1][100] = 9;
+    let p = Pair { layout: layout.clone(), old: old.clone(), new: new.clone() };
+    let bytes = encode(&p, &DiffOptions { chunk_bytes: 512, ..Default::default() });
+    let (header, chunks, trailer) = split_frames(&bytes).unwrap();
+    assert!(chunks.len() > 3);
+    // Streamed in order: exact.
+    let mut t = old.clone();
+    {
+        let views: Vec<&mut [u8]> = t.iter_mut().map(|v| v.as_mut_slice()).collect();
+        let mut s = StreamApplier::begin(header, &layout, views).unwrap().unwrap();
+        for c in &chunks {
+            s.chunk(c).unwrap();
+        }
+        assert!(matches!(s.chunk(chunks[0]).unwrap_err(), Error::DuplicateChunk { .. }));
+        s.finish(trailer).unwrap();
+    }
+    assert_eq!(t, new);
+    // A missing chunk: the trailer's count refuses it and the base comes back.
+    let mut t = old.clone();
+    {
+        let views: Vec<&mut [u8]> = t.iter_mut().map(|v| v.as_mut_slice()).collect();
+        let mut s = StreamApplier::begin(header, &layout, views).unwrap().unwrap();
+        for c in &chunks[1..] {
+            s.chunk(c).unwrap();
+        }
+        assert!(matches!(s.finish(trailer).unwrap_err(), Error::Incomplete { .. }));
+    }
+    assert_eq!(t, old);
+    // Already at the target: nothing to do.
+    let mut t = new.clone();
+    let views: Vec<&mut [u8]> = t.iter_mut().map(|v| v.as_mut_slice()).collect();
+    assert!(StreamApplier::begin(header, &layout, views).unwrap().is_none());
+}

@@ -15,6 +15,7 @@ create_exception!(dcr, LayoutMismatchError, DcrError, "Tensor names, dtypes or s
 create_exception!(dcr, VerificationError, DcrError, "After applying, the target's digests differ from the delta's.");
 create_exception!(dcr, CheckpointError, DcrError, "A checkpoint file could not be read.");
 create_exception!(dcr, JournalError, DcrError, "The receiver's commit journal refused a transition or is corrupt.");
+create_exception!(dcr, TransportError, DcrError, "The relay transport failed: authentication, protocol, dead peers.");
 
 pub fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
@@ -36,6 +37,20 @@ pub fn to_py(e: Error) -> PyErr {
         Error::TargetMismatch { .. } | Error::RollbackFailed { .. } | Error::RollbackIncomplete { .. } => VerificationError::new_err(msg),
         Error::UnsupportedDtype { .. } | Error::Invalid(_) => PyValueError::new_err(msg),
         Error::JournalIo { source, .. } => PyOSError::new_err((source.raw_os_error().unwrap_or(0), msg)),
+        Error::Timeout { .. } => pyo3::exceptions::PyTimeoutError::new_err(msg),
+        Error::NetIo { .. } | Error::PeerClosed { .. } | Error::AllParentsFailed { .. } => {
+            pyo3::exceptions::PyConnectionError::new_err(msg)
+        }
+        Error::AuthRefused { .. }
+        | Error::FrameTooLarge { .. }
+        | Error::MessageChecksum { .. }
+        | Error::Protocol { .. }
+        | Error::ResumeUnavailable { .. }
+        | Error::Remote { .. }
+        | Error::Callback { .. }
+        | Error::Config(_)
+        | Error::Tls(_)
+        | Error::Closed(_) => TransportError::new_err(msg),
         _ => JournalError::new_err(msg),
     }
 }
@@ -51,5 +66,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("VerificationError", py.get_type::<VerificationError>())?;
     m.add("CheckpointError", py.get_type::<CheckpointError>())?;
     m.add("JournalError", py.get_type::<JournalError>())?;
+    m.add("TransportError", py.get_type::<TransportError>())?;
     Ok(())
 }

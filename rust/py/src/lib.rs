@@ -4,6 +4,7 @@
 #![deny(unsafe_code)]
 
 mod errors;
+mod transport;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -123,7 +124,7 @@ fn outcome_dict<'py>(py: Python<'py>, o: &ApplyOutcome) -> PyResult<Bound<'py, P
 
 /// Diff two safetensors files into a delta file (written atomically).
 #[pyfunction]
-#[pyo3(signature = (old, new, out, *, chunk_bytes=delta::DEFAULT_CHUNK_BYTES, kind="xor", zstd_level=1, mode="free", base_version=0, target_version=1, threads=None, progress=None))]
+#[pyo3(signature = (old, new, out, *, chunk_bytes=delta::DEFAULT_CHUNK_BYTES, kind="xor", zstd_level=1, mode="free", base_version=0, target_version=1, dense=false, threads=None, progress=None))]
 #[allow(clippy::too_many_arguments)]
 fn diff_files<'py>(
     py: Python<'py>,
@@ -136,10 +137,11 @@ fn diff_files<'py>(
     mode: &str,
     base_version: u64,
     target_version: u64,
+    dense: bool,
     threads: Option<usize>,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let opts = DiffOptions { chunk_bytes, kind: parse_kind(kind)?, zstd_level, mode: parse_mode(mode)?, base_version, target_version };
+    let opts = DiffOptions { chunk_bytes, kind: parse_kind(kind)?, zstd_level, mode: parse_mode(mode)?, base_version, target_version, dense };
     let pool = pool(threads)?;
     let mut cb = progress_fn(progress);
     let stats = py.detach(|| pool.install(|| files::diff_files(&old, &new, &out, &opts, &mut cb))).map_err(to_py)?;
@@ -281,7 +283,7 @@ fn diff_buffers<'py>(
     let (layout, order) = layout_of(names, dtypes, shapes)?;
     check_spans(&old, false)?;
     check_spans(&new, false)?;
-    let opts = DiffOptions { chunk_bytes, kind: parse_kind(kind)?, zstd_level, mode: parse_mode(mode)?, base_version, target_version };
+    let opts = DiffOptions { chunk_bytes, kind: parse_kind(kind)?, zstd_level, mode: parse_mode(mode)?, base_version, target_version, dense: false };
     let pool = pool(threads)?;
     let (o, n) = (slices(&old), slices(&new));
     let o: Vec<&[u8]> = order.iter().map(|&i| o[i]).collect();
@@ -551,5 +553,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(refit_file, m)?)?;
     m.add_function(wrap_pyfunction!(receiver_status, m)?)?;
     m.add_function(wrap_pyfunction!(decode_delta, m)?)?;
+    m.add_function(wrap_pyfunction!(transport::publish_delta, m)?)?;
+    m.add_function(wrap_pyfunction!(transport::receive_delta, m)?)?;
+    m.add_function(wrap_pyfunction!(transport::relay_main, m)?)?;
     Ok(())
 }

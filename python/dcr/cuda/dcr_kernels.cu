@@ -1,0 +1,1 @@
+../../../cuda/dcr_kernels.cu

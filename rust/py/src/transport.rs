@@ -1,0 +1,182 @@
+//! Bindings of the relay-tree transport: publish a delta file to a root
+//! relay, receive one into a safetensors file (applied as frames arrive),
+//! and run a relay in this process.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use dcr_core::checkpoint::{digest_hex, WritableCheckpoint};
+use dcr_core::delta::{split_frames, ApplyOutcome, StreamApplier};
+use dcr_core::net::{self, PublishConfig, SubscribeConfig};
+use dcr_core::relay::PreSharedKey;
+use dcr_core::Error;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::errors::to_py;
+
+fn key(path: Option<PathBuf>) -> dcr_core::Result<Option<PreSharedKey>> {
+    path.map(PreSharedKey::from_file).transpose()
+}
+
+/// Publish a delta file to a root relay (HOST:PORT), chunk by chunk, and
+/// optionally wait for `expect_acks` receivers to report.
+#[pyfunction]
+#[pyo3(signature = (delta, to, *, key_file=None, version=None, expect_acks=0, ack_timeout_s=120.0, standby=Vec::new()))]
+#[allow(clippy::too_many_arguments)]
+pub fn publish_delta<'py>(
+    py: Python<'py>,
+    delta: PathBuf,
+    to: String,
+    key_file: Option<PathBuf>,
+    version: Option<u64>,
+    expect_acks: usize,
+    ack_timeout_s: f64,
+    standby: Vec<String>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let report = py
+        .detach(|| -> dcr_core::Result<_> {
+            let bytes = std::fs::read(&delta).map_err(|e| Error::io("read", &delta, e))?;
+            let parsed = dcr_core::delta::read_delta(&bytes)?;
+            let (header, chunks, trailer) = split_frames(&bytes)?;
+            let mut cfg = PublishConfig::new(to);
+            cfg.key = key(key_file)?;
+            cfg.standby = standby;
+            let version = version.unwrap_or(parsed.header.target_version);
+            let frames: Vec<bytes::Bytes> = chunks.iter().map(|c| bytes::Bytes::copy_from_slice(c)).collect();
+            net::publish_stream(
+                cfg,
+                version,
+                bytes::Bytes::copy_from_slice(header),
+                frames,
+                bytes::Bytes::copy_from_slice(trailer),
+                expect_acks,
+                Duration::from_secs_f64(ack_timeout_s),
+            )
+        })
+        .map_err(to_py)?;
+    let d = PyDict::new(py);
+    d.set_item("version", report.version)?;
+    d.set_item("chunks", report.chunks)?;
+    d.set_item("bytes", report.bytes)?;
+    let committed = PyList::empty(py);
+    for a in &report.acks.committed {
+        committed.append((a.node_id.as_str(), digest_hex(&a.digest)))?;
+    }
+    let failed = PyList::empty(py);
+    for a in &report.acks.failed {
+        failed.append((a.node_id.as_str(), a.reason.as_str()))?;
+    }
+    d.set_item("committed", committed)?;
+    d.set_item("failed", failed)?;
+    d.set_item("all_committed", report.acks.all_committed())?;
+    Ok(d)
+}
+
+/// Receive one version from a relay tree (parents in failover order) and
+/// apply it in place to a safetensors file as its chunks arrive; then report
+/// the verdict (digest, ok/failed) up the tree.
+#[pyfunction]
+#[pyo3(signature = (target, parents, *, key_file=None, receiver_id=None, from_version=0, timeout_s=600.0))]
+pub fn receive_delta<'py>(
+    py: Python<'py>,
+    target: PathBuf,
+    parents: Vec<String>,
+    key_file: Option<PathBuf>,
+    receiver_id: Option<String>,
+    from_version: u64,
+    timeout_s: f64,
+) -> PyResult<Bound<'py, PyDict>> {
+    let (outcome, version, failovers, parent) = py
+        .detach(|| -> dcr_core::Result<_> {
+            let mut ck = WritableCheckpoint::open_rw(&target)?;
+            let layout = ck.layout().clone();
+            let mut cfg = SubscribeConfig::new(parents);
+            cfg.key = key(key_file)?;
+            if let Some(id) = receiver_id {
+                cfg.node_id = id;
+            }
+            cfg.from_version = from_version;
+            cfg.timeout = Some(Duration::from_secs_f64(timeout_s));
+            let result = std::cell::RefCell::new(None::<dcr_core::Result<ApplyOutcome>>);
+            let outcome;
+            let mut sub;
+            {
+                let applier = std::cell::RefCell::new(None::<StreamApplier<'_>>);
+                let buffers = std::cell::RefCell::new(Some(ck.buffers_mut()));
+                let received = net::subscribe(
+                    cfg,
+                    |_, header| {
+                        let views = buffers.borrow_mut().take().ok_or("a second header")?;
+                        match StreamApplier::begin(header, &layout, views) {
+                            Ok(Some(a)) => *applier.borrow_mut() = Some(a),
+                            Ok(None) => *result.borrow_mut() = Some(Ok(ApplyOutcome::AlreadyAtTarget)),
+                            Err(e) => *result.borrow_mut() = Some(Err(e)),
+                        }
+                        Ok(())
+                    },
+                    |_, _, blob| {
+                        if let Some(a) = applier.borrow_mut().as_mut() {
+                            if let Err(e) = a.chunk(blob) {
+                                *result.borrow_mut() = Some(Err(e));
+                            }
+                        }
+                        Ok(())
+                    },
+                    |_, _, trailer| {
+                        if let Some(a) = applier.borrow_mut().take() {
+                            let r = match result.borrow_mut().take() {
+                                Some(Err(e)) => a.rollback().and(Err(e)),
+                                _ => a.finish(trailer),
+                            };
+                            *result.borrow_mut() = Some(r);
+                        }
+                        Ok(())
+                    },
+                );
+                if let Some(a) = applier.borrow_mut().take() {
+                    a.rollback()?; // the stream ended early: back to the base
+                }
+                sub = received?;
+                outcome = result.borrow_mut().take().unwrap_or_else(|| {
+                    Err(Error::Incomplete { detail: "the stream ended without a trailer".into() })
+                });
+            }
+            ck.flush()?;
+            let digest = ck.checkpoint_digest();
+            let (ok, reason) = match &outcome {
+                Ok(_) => (true, String::new()),
+                Err(e) => (false, e.to_string()),
+            };
+            // The verdict goes up the tree whatever it is (joint commit).
+            let ack = sub.ack(digest, ok, &reason, Duration::from_secs(30));
+            let outcome = outcome?;
+            ack?;
+            Ok((outcome, sub.delivered.version, sub.delivered.failovers, sub.delivered.parent.clone()))
+        })
+        .map_err(to_py)?;
+    let d = PyDict::new(py);
+    d.set_item("version", version)?;
+    d.set_item("failovers", failovers)?;
+    d.set_item("parent", parent)?;
+    match outcome {
+        ApplyOutcome::Applied { chunks, changed } => {
+            d.set_item("outcome", "applied")?;
+            d.set_item("chunks", chunks)?;
+            d.set_item("changed_elements", changed)?;
+        }
+        ApplyOutcome::AlreadyAtTarget => {
+            d.set_item("outcome", "already_at_target")?;
+            d.set_item("chunks", 0)?;
+            d.set_item("changed_elements", 0)?;
+        }
+    }
+    Ok(d)
+}
+
+/// Run a relay with `dcr-relay` command-line arguments until SIGINT/SIGTERM;
+/// returns its exit code.
+#[pyfunction]
+pub fn relay_main(py: Python<'_>, argv: Vec<String>) -> i32 {
+    py.detach(|| dcr_relay::main_with_args(argv))
+}
