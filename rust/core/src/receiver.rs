@@ -32,8 +32,8 @@ use std::path::{Path, PathBuf};
 use rayon::prelude::*;
 
 use crate::checkpoint::{digest_short, tensor_digests, Digest, Layout, WritableCheckpoint};
-use crate::codec::{self, DecodedChunk, Encoding};
-use crate::delta::{check_chunk, Delta};
+use crate::codec::{self, DecodedChunk, Encoding, Mode};
+use crate::delta::{check_chunk, decode_against, Delta, ANY_BASE};
 use crate::error::{Error, Result};
 use crate::journal::file::scan;
 use crate::journal::state::hex;
@@ -418,12 +418,34 @@ struct Prepared<'d> {
     /// Changed positions (words) for sparse encodings; `None` when the chunk
     /// covers every word (dense, raw).
     positions: Option<Vec<u32>>,
+    /// A context-mode chunk: decoding it reads the chunk's base bytes, so its
+    /// pre-image also holds its positions (u32 LE, before the values).
+    context: bool,
+}
+
+/// Writes `values` (one `width`-byte word per position) at `positions`.
+fn put_words(slice: &mut [u8], positions: &[u32], values: &[u8], width: usize) {
+    for (i, &p) in positions.iter().enumerate() {
+        slice[p as usize * width..][..width].copy_from_slice(&values[i * width..][..width]);
+    }
+}
+
+/// The positions and values of a context-mode pre-image, bounds-checked
+/// against a chunk of `len` bytes.
+fn context_preimage(pre: &[u8], width: usize, len: usize) -> Option<(Vec<u32>, &[u8])> {
+    if pre.len() % (4 + width) != 0 {
+        return None;
+    }
+    let m = pre.len() / (4 + width);
+    let positions: Vec<u32> =
+        pre[..4 * m].chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().expect("4"))).collect();
+    positions.iter().all(|&p| (p as usize + 1) * width <= len).then_some((positions, &pre[4 * m..]))
 }
 
 impl Prepared<'_> {
     fn preimage_len(&self) -> usize {
         match &self.positions {
-            Some(p) => p.len() * self.width,
+            Some(p) => p.len() * (self.width + if self.context { 4 } else { 0 }),
             None => self.range.len(),
         }
     }
@@ -431,7 +453,10 @@ impl Prepared<'_> {
         match &self.positions {
             Some(ps) => {
                 let w = self.width;
-                let mut out = Vec::with_capacity(ps.len() * w);
+                let mut out = Vec::with_capacity(self.preimage_len());
+                if self.context {
+                    ps.iter().for_each(|p| out.extend_from_slice(&p.to_le_bytes()));
+                }
                 for &p in ps {
                     out.extend_from_slice(&slice[p as usize * w..][..w]);
                 }
@@ -440,20 +465,29 @@ impl Prepared<'_> {
             None => slice.to_vec(),
         }
     }
+    /// Puts the pre-image back (its length was checked).
     fn restore(&self, slice: &mut [u8], pre: &[u8]) {
         match &self.positions {
             Some(ps) => {
-                let w = self.width;
-                for (i, &p) in ps.iter().enumerate() {
-                    slice[p as usize * w..][..w].copy_from_slice(&pre[i * w..][..w]);
-                }
+                let values = if self.context { &pre[4 * ps.len()..] } else { pre };
+                put_words(slice, ps, values, self.width);
             }
             None => slice.copy_from_slice(pre),
         }
     }
 }
 
-fn prepare<'d>(delta: &'d Delta, layout: &Layout, seqs: &[u32]) -> Result<Vec<Prepared<'d>>> {
+/// Decodes chunks `seqs` against the target's current bytes `bufs`. An
+/// in-progress context-mode chunk is decoded against its base rebuilt from
+/// its pre-image in `stored` (its bytes in the target may be half-applied).
+fn prepare<'d>(
+    delta: &'d Delta,
+    layout: &Layout,
+    seqs: &[u32],
+    bufs: &[&[u8]],
+    stored: Option<(&UndoScan, &Path)>,
+    in_progress: &(dyn Fn(u32) -> bool + Sync),
+) -> Result<Vec<Prepared<'d>>> {
     let mut out: Vec<Prepared<'d>> = seqs
         .par_iter()
         .map(|&seq| {
@@ -461,35 +495,46 @@ fn prepare<'d>(delta: &'d Delta, layout: &Layout, seqs: &[u32]) -> Result<Vec<Pr
             let range = check_chunk(&delta.header, frame)?;
             let tensor = frame.tensor as usize;
             let width = layout.tensors()[tensor].dtype.word_bytes();
-            let decoded = codec::decode_chunk(
-                &frame.payload,
-                range.len() / width,
-                width,
-                frame.encoding,
-                frame.n_changed,
-                &format!("chunk {seq}"),
-            )?;
+            let context = frame.mode == Mode::Context;
+            let current = &bufs[tensor][range.clone()];
+            let decoded = match stored {
+                Some((s, upath)) if context && in_progress(seq) => {
+                    let bad =
+                        || undo_corrupt(upath, 0, format!("the pre-image of context-mode chunk {seq} is damaged"));
+                    let pre = &s.bytes[s.entries.get(&seq).ok_or_else(bad)?.clone()];
+                    let (ps, values) = context_preimage(pre, width, range.len()).ok_or_else(bad)?;
+                    let mut base = current.to_vec();
+                    put_words(&mut base, &ps, values, width);
+                    let d = decode_against(frame, &range, layout, &base)?;
+                    if d.to_changes().positions != ps {
+                        return Err(bad());
+                    }
+                    d
+                }
+                _ => decode_against(frame, &range, layout, current)?,
+            };
             let positions = match frame.encoding {
                 Encoding::Sparse | Encoding::Bitmap => Some(decoded.to_changes().positions),
                 Encoding::Dense | Encoding::Raw => None,
             };
-            Ok(Prepared { seq, tensor, range, width, frame, decoded, positions })
+            Ok(Prepared { seq, tensor, range, width, frame, decoded, positions, context })
         })
         .collect::<Result<_>>()?;
     out.sort_by_key(|p| (p.tensor, p.range.start));
     Ok(out)
 }
 
-/// Disjoint mutable slices of `targets` for `items` (sorted by tensor, then start).
-fn split<'t>(targets: Vec<&'t mut [u8]>, items: &[&Prepared<'_>]) -> Vec<&'t mut [u8]> {
+/// Disjoint mutable slices of `targets` for the (tensor, byte range) spans
+/// (sorted by tensor, then start).
+fn split<'t>(targets: Vec<&'t mut [u8]>, spans: &[(usize, Range<usize>)]) -> Vec<&'t mut [u8]> {
     let mut rests: Vec<(usize, &'t mut [u8])> = targets.into_iter().map(|t| (0usize, t)).collect();
-    let mut out = Vec::with_capacity(items.len());
-    for p in items {
-        let (consumed, rest) = &mut rests[p.tensor];
+    let mut out = Vec::with_capacity(spans.len());
+    for (tensor, range) in spans {
+        let (consumed, rest) = &mut rests[*tensor];
         let tail = std::mem::take(rest);
-        let (_, tail) = tail.split_at_mut(p.range.start - *consumed);
-        let (mine, tail) = tail.split_at_mut(p.range.len());
-        *consumed = p.range.end;
+        let (_, tail) = tail.split_at_mut(range.start - *consumed);
+        let (mine, tail) = tail.split_at_mut(range.len());
+        *consumed = range.end;
         *rest = tail;
         out.push(mine);
     }
@@ -522,12 +567,24 @@ pub fn refit<I: JournalIo + Clone>(
     h.layout.ensure_same(&layout, "target checkpoint")?;
     let (mut j, recovered) = ReceiverJournal::open(journal_path, io.clone())?;
     let upath = undo_path(journal_path);
-    let plan = RefitPlan {
+    // A dense delta (`ANY_BASE`) overwrites every element, applies to any
+    // target of its layout, and keeps no pre-images (they would be a second
+    // copy of the model): an interrupted chunk is repaired by applying it
+    // again, and a failed verification cannot be rolled back.
+    let any_base = h.base_digest == ANY_BASE;
+    let mut plan = RefitPlan {
         version: h.target_version,
         base_digest: h.base_digest,
         target_digest: h.target_digest,
         delta_id: h.delta_id,
         n_chunks: delta.chunks.len() as u32,
+    };
+    let same_refit = |p: &RefitPlan| {
+        p.delta_id == plan.delta_id
+            && p.version == plan.version
+            && p.target_digest == plan.target_digest
+            && p.n_chunks == plan.n_chunks
+            && (any_base || p.base_digest == plan.base_digest)
     };
 
     // A refit in flight: resume it, or see whether the target's bits (a
@@ -537,12 +594,15 @@ pub fn refit<I: JournalIo + Clone>(
     let mut hashed = None;
     if let Some(r) = j.state().refit.clone() {
         let found = layout.checkpoint_digest(&tensor_digests(&target.buffers()));
-        let whole = found == h.base_digest || found == h.target_digest;
-        if r.plan == plan && ((r.touched() == 0 && found == h.base_digest) || (r.touched() > 0 && !whole)) {
+        let same = same_refit(&r.plan);
+        let mid_refit = found != r.plan.base_digest && found != h.target_digest;
+        let whole = any_base || found == h.base_digest || found == h.target_digest;
+        if same && ((r.touched() == 0 && found == r.plan.base_digest) || (r.touched() > 0 && mid_refit)) {
             resumed = true;
-        } else if r.plan != plan && r.touched() == 0 {
+            plan = r.plan;
+        } else if !same && r.touched() == 0 {
             j.abort(&format!("superseded by delta {} to version {}", hex(&h.delta_id), h.target_version))?;
-        } else if r.plan != plan && !whole {
+        } else if !same && !whole {
             return Err(transition(
                 journal_path,
                 "refit",
@@ -583,7 +643,7 @@ pub fn refit<I: JournalIo + Clone>(
             let version = j.state().committed.map_or(h.target_version, |c| c.version);
             return Ok(RefitOutcome::AlreadyAtTarget { version, digest: found });
         }
-        if found != h.base_digest {
+        if found != h.base_digest && !any_base {
             let found = match st.committed {
                 Some(c) if c.digest == found => {
                     format!("{} (version {} in its journal)", digest_short(&found), c.version)
@@ -599,7 +659,14 @@ pub fn refit<I: JournalIo + Clone>(
         }
         // Decode (validate) every chunk before anything is recorded or written.
         let all: Vec<u32> = (0..plan.n_chunks).collect();
-        fresh_prepared = Some(prepare(delta, &layout, &all)?);
+        fresh_prepared = Some(prepare(delta, &layout, &all, &target.buffers(), None, &|_| false)?);
+        if any_base && delta.chunks.iter().any(|c| c.kind != codec::ChangeKind::Overwrite) {
+            return Err(Error::corrupt(
+                "delta",
+                "a dense (any-base) delta holds an XOR chunk; only overwrites apply to any base",
+            ));
+        }
+        plan.base_digest = found;
         if !proven(h.base_version, &found) {
             // The target's digest proves it holds the base (first refit
             // under this journal, or after an abort or a dense reload).
@@ -610,18 +677,24 @@ pub fn refit<I: JournalIo + Clone>(
 
     let r = j.state().refit.clone().expect("a refit is in flight");
     let touched: Vec<u32> = (0..plan.n_chunks).filter(|&s| r.chunks[s as usize] != ChunkState::NotStarted).collect();
-    let (mut undo, stored) = if touched.is_empty() {
-        (UndoLog::create(io.clone(), upath.clone(), &h.delta_id)?, None)
+    let (mut undo, stored) = if any_base {
+        (None, None)
+    } else if touched.is_empty() {
+        (Some(UndoLog::create(io.clone(), upath.clone(), &h.delta_id)?), None)
     } else {
         let (u, s) = UndoLog::open(io.clone(), upath.clone(), &h.delta_id, &touched)?;
-        (u, Some(s))
+        (Some(u), Some(s))
     };
 
     let todo: Vec<u32> = (0..plan.n_chunks).filter(|&s| r.chunks[s as usize] != ChunkState::Applied).collect();
     let skipped = plan.n_chunks - todo.len() as u32;
     let prepared = match fresh_prepared {
         Some(p) => p,
-        None => prepare(delta, &layout, &todo)?,
+        None => {
+            prepare(delta, &layout, &todo, &target.buffers(), stored.as_ref().map(|s| (s, upath.as_path())), &|seq| {
+                r.chunks[seq as usize] == ChunkState::InProgress
+            })?
+        }
     };
     let (mut applied, mut repaired) = (0u32, 0u32);
 
@@ -642,11 +715,13 @@ pub fn refit<I: JournalIo + Clone>(
         let state = |p: &Prepared<'_>| r.chunks[p.seq as usize];
         // 1. Pre-images of the chunks not started yet, durable first.
         let fresh: Vec<&Prepared<'_>> = batch.iter().copied().filter(|p| state(p) == ChunkState::NotStarted).collect();
-        let entries: Vec<(u32, Vec<u8>)> = {
-            let bufs = target.buffers();
-            fresh.par_iter().map(|p| (p.seq, p.capture(&bufs[p.tensor][p.range.clone()]))).collect()
-        };
-        undo.append(&entries)?;
+        if let Some(undo) = undo.as_mut() {
+            let entries: Vec<(u32, Vec<u8>)> = {
+                let bufs = target.buffers();
+                fresh.par_iter().map(|p| (p.seq, p.capture(&bufs[p.tensor][p.range.clone()]))).collect()
+            };
+            undo.append(&entries)?;
+        }
         let pre: HashMap<u32, &[u8]> = match &stored {
             Some(s) => batch
                 .iter()
@@ -679,7 +754,8 @@ pub fn refit<I: JournalIo + Clone>(
         // 3. Apply: in-progress chunks in overwrite form (pre-image restored,
         // then applied once), the others as they are.
         {
-            let slices = split(target.buffers_mut(), &batch);
+            let spans: Vec<(usize, Range<usize>)> = batch.iter().map(|p| (p.tensor, p.range.clone())).collect();
+            let slices = split(target.buffers_mut(), &spans);
             slices.into_par_iter().zip(batch.par_iter()).for_each(|(slice, p)| {
                 if let Some(old) = pre.get(&p.seq) {
                     p.restore(slice, old);
@@ -687,7 +763,7 @@ pub fn refit<I: JournalIo + Clone>(
                 p.decoded.apply(slice, p.frame.kind);
             });
         }
-        repaired += pre.len() as u32;
+        repaired += batch.iter().filter(|p| state(p) == ChunkState::InProgress).count() as u32;
         applied += fresh.len() as u32;
         // 4. Flush the touched ranges, 5. record them applied.
         let ranges: Vec<(usize, Range<usize>)> = batch.iter().map(|p| (p.tensor, p.range.clone())).collect();
@@ -708,7 +784,9 @@ pub fn refit<I: JournalIo + Clone>(
         .collect();
     if bad.is_empty() {
         j.commit(plan.version, plan.target_digest)?;
-        undo.remove();
+        if let Some(undo) = undo {
+            undo.remove();
+        }
         return Ok(RefitOutcome::Committed(RefitReport {
             version: plan.version,
             digest: plan.target_digest,
@@ -721,6 +799,15 @@ pub fn refit<I: JournalIo + Clone>(
             torn_tail: recovered.torn_tail,
         }));
     }
+    let Some(mut undo) = undo else {
+        let detail = format!(
+            "the dense (any-base) delta keeps no pre-images, and its result does not match its own digests in {} tensor(s) (first: {})",
+            bad.len(),
+            bad[0]
+        );
+        j.abort(&detail)?;
+        return Err(Error::RollbackIncomplete { detail });
+    };
     roll_back(&mut j, &mut undo, delta, &layout, target, &plan)?;
     undo.remove();
     Err(Error::TargetMismatch { count: bad.len(), first: bad[0].clone(), tensors: bad })
@@ -737,25 +824,69 @@ fn roll_back<I: JournalIo + Clone>(
     plan: &RefitPlan,
 ) -> Result<()> {
     let base_version = j.state().committed.map_or(delta.header.base_version, |c| c.version);
-    let all: Vec<u32> = (0..plan.n_chunks).collect();
-    let prepared = prepare(delta, layout, &all)?;
     let stored = undo.read_all(&plan.delta_id)?;
     let fail = |j: &mut ReceiverJournal<I>, detail: String| -> Result<()> {
         j.abort(&format!("roll back failed: {detail}"))?;
         Err(Error::RollbackIncomplete { detail })
     };
-    if let Some(p) = prepared.iter().find(|p| stored.entries.get(&p.seq).is_none_or(|r| r.len() != p.preimage_len())) {
-        return fail(j, format!("the pre-image of chunk {} is missing from {}", p.seq, undo.path.display()));
+    // What to put back where, without decoding against the target (whose
+    // bytes are the new ones now): a context-mode pre-image carries its
+    // positions; a free-mode chunk's positions come from its payload alone.
+    struct Restore {
+        tensor: usize,
+        range: Range<usize>,
+        width: usize,
+        positions: Option<Vec<u32>>,
+        values: Range<usize>,
     }
-    let items: Vec<&Prepared<'_>> = prepared.iter().collect();
+    let mut ops = Vec::with_capacity(plan.n_chunks as usize);
+    for frame in &delta.chunks {
+        let seq = frame.seq;
+        let range = check_chunk(&delta.header, frame)?;
+        let tensor = frame.tensor as usize;
+        let width = layout.tensors()[tensor].dtype.word_bytes();
+        let missing = || format!("the pre-image of chunk {seq} is missing or damaged in {}", undo.path.display());
+        let Some(entry) = stored.entries.get(&seq).cloned() else { return fail(j, missing()) };
+        let pre = &stored.bytes[entry.clone()];
+        let (positions, values) = if frame.mode == Mode::Context {
+            let Some((ps, _)) = context_preimage(pre, width, range.len()) else { return fail(j, missing()) };
+            let start = entry.start + 4 * ps.len();
+            (Some(ps), start..entry.end)
+        } else {
+            match frame.encoding {
+                Encoding::Dense | Encoding::Raw => (None, entry.clone()),
+                Encoding::Sparse | Encoding::Bitmap => {
+                    let d = codec::decode_chunk(
+                        &frame.payload,
+                        range.len() / width,
+                        width,
+                        frame.encoding,
+                        frame.n_changed,
+                        &format!("chunk {seq}"),
+                    )?;
+                    (Some(d.to_changes().positions), entry.clone())
+                }
+            }
+        };
+        let want = positions.as_ref().map_or(range.len(), |p| p.len() * width);
+        if values.len() != want {
+            return fail(j, missing());
+        }
+        ops.push(Restore { tensor, range, width, positions, values });
+    }
+    ops.sort_by_key(|o| (o.tensor, o.range.start));
+    let spans: Vec<(usize, Range<usize>)> = ops.iter().map(|o| (o.tensor, o.range.clone())).collect();
     {
-        let slices = split(target.buffers_mut(), &items);
-        slices.into_par_iter().zip(items.par_iter()).for_each(|(slice, p)| {
-            p.restore(slice, &stored.bytes[stored.entries[&p.seq].clone()]);
+        let slices = split(target.buffers_mut(), &spans);
+        slices.into_par_iter().zip(ops.par_iter()).for_each(|(slice, o)| {
+            let values = &stored.bytes[o.values.clone()];
+            match &o.positions {
+                Some(ps) => put_words(slice, ps, values, o.width),
+                None => slice.copy_from_slice(values),
+            }
         });
     }
-    let ranges: Vec<(usize, Range<usize>)> = items.iter().map(|p| (p.tensor, p.range.clone())).collect();
-    target.flush_ranges(&ranges)?;
+    target.flush_ranges(&spans)?;
     let restored = layout.checkpoint_digest(&tensor_digests(&target.buffers()));
     if restored != plan.base_digest {
         return fail(

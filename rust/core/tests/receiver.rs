@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use dcr_core::checkpoint::{Layout, TensorSpec};
-use dcr_core::codec::ChangeKind;
+use dcr_core::codec::{ChangeKind, Mode};
 use dcr_core::delta::{diff, read_delta, Delta, DiffOptions};
 use dcr_core::dtype::DType;
 use dcr_core::error::Error;
@@ -39,20 +39,45 @@ fn rng(seed: u64) -> impl FnMut() -> u64 {
 /// completely, so dense chunks appear) and the deltas 0->1 and 1->2 with
 /// 256-byte chunks (about 25 chunks each).
 fn fixture(kind: ChangeKind) -> Fixture {
+    fixture_mode(kind, Mode::Free)
+}
+
+fn fixture_mode(kind: ChangeKind, mode: Mode) -> Fixture {
     let specs = vec![
-        TensorSpec { name: "a.weight".into(), dtype: DType::from_name("BF16").unwrap(), shape: vec![64, 32] },
+        TensorSpec {
+            name: "a.weight".into(),
+            dtype: DType::from_name("BF16").unwrap(),
+            shape: if mode == Mode::Context { vec![256, 64] } else { vec![64, 32] },
+        },
         TensorSpec { name: "b.bias".into(), dtype: DType::from_name("F32").unwrap(), shape: vec![300] },
         TensorSpec { name: "c.mask".into(), dtype: DType::from_name("U8").unwrap(), shape: vec![50] },
         TensorSpec { name: "d.scale".into(), dtype: DType::from_name("BF16").unwrap(), shape: vec![100] },
     ];
     let layout = Layout::new(specs).unwrap();
     let mut next = rng(0x5eed);
-    let v0: Vec<Vec<u8>> =
+    let mut v0: Vec<Vec<u8>> =
         layout.tensors().iter().map(|t| (0..t.storage_bytes().unwrap()).map(|_| next() as u8).collect()).collect();
+    if mode == Mode::Context {
+        // bf16 weights spread over a few exponents, as trained weights are.
+        v0[0] = (0..v0[0].len() as u32 / 2)
+            .flat_map(|i| (0x3a00 + ((i.wrapping_mul(2654435761) >> 7) % 0x0600) as u16).to_le_bytes())
+            .collect();
+    }
     let step = |prev: &Vec<Vec<u8>>, next: &mut dyn FnMut() -> u64| -> Vec<Vec<u8>> {
         prev.iter()
             .enumerate()
             .map(|(i, t)| {
+                if i == 0 && mode == Mode::Context {
+                    // bf16 weights moved by a few ulps, as the context coder expects.
+                    return t
+                        .chunks_exact(2)
+                        .flat_map(|w| {
+                            let v = u16::from_le_bytes([w[0], w[1]]);
+                            let v = if (v >> 7) == (0x3c00 >> 7) && next() % 3 == 0 { v + 1 } else { v };
+                            v.to_le_bytes()
+                        })
+                        .collect();
+                }
                 t.iter().map(|&b| if i == 3 || next() % 100 < 4 { b ^ ((next() as u8) | 1) } else { b }).collect()
             })
             .collect()
@@ -63,8 +88,9 @@ fn fixture(kind: ChangeKind) -> Fixture {
     let deltas = (0..2)
         .map(|i| {
             let opts = DiffOptions {
-                chunk_bytes: 256,
+                chunk_bytes: if mode == Mode::Context { 2048 } else { 256 },
                 kind,
+                mode,
                 base_version: i as u64,
                 target_version: i as u64 + 1,
                 ..Default::default()
@@ -145,7 +171,11 @@ enum Fault {
 /// Injects one fault per run for n = 0, 1, ... until a run no longer hits
 /// it; after each failure "crashes" in one of several ways and resumes.
 fn fail_each(kind: ChangeKind, fault: Fault) -> u64 {
-    let f = fixture(kind);
+    fail_each_mode(kind, Mode::Free, fault)
+}
+
+fn fail_each_mode(kind: ChangeKind, mode: Mode, fault: Fault) -> u64 {
+    let f = fixture_mode(kind, mode);
     let mut n = 0u64;
     loop {
         for mode in 0..4u64 {
@@ -622,4 +652,104 @@ fn deltas_with_default_version_numbers_chain_by_digest() {
     let e = run(&io, &mut t, &f.deltas[0]).unwrap_err();
     assert!(matches!(e, Error::BaseMismatch { .. }), "{e}");
     assert_eq!(t.current, f.versions[2]);
+}
+
+fn dense_delta(f: &Fixture, to: usize) -> Delta {
+    let opts =
+        DiffOptions { chunk_bytes: 256, dense: true, base_version: 0, target_version: to as u64, ..Default::default() };
+    let old: Vec<&[u8]> = f.versions[0].iter().map(Vec::as_slice).collect();
+    let new: Vec<&[u8]> = f.versions[to].iter().map(Vec::as_slice).collect();
+    let mut out = Vec::new();
+    diff(
+        &f.layout,
+        &old,
+        &new,
+        &opts,
+        &mut |b| {
+            out.extend_from_slice(b);
+            Ok(())
+        },
+        &mut |_, _| {},
+    )
+    .unwrap();
+    read_delta(&out).unwrap()
+}
+
+/// A dense (any-base) delta bootstraps any target of the layout, keeps no
+/// pre-images, and resumes after every failed sync by applying interrupted
+/// chunks again (overwrites are idempotent).
+#[test]
+fn dense_deltas_apply_to_any_target_and_resume_without_pre_images() {
+    let f = fixture(ChangeKind::Xor);
+    let dense = dense_delta(&f, 2);
+    let junk = || {
+        let mut t = target(&f, 0);
+        t.current[0][5] ^= 0x5a;
+        t.durable = t.current.clone();
+        t
+    };
+    let mut n = 0;
+    loop {
+        let io = SimIo::new();
+        let mut t = junk();
+        io.fail_sync(n);
+        let Err(e) = run(&io, &mut t, &dense) else {
+            assert!(n > 10);
+            break;
+        };
+        assert!(io.file_bytes(&undo_path(&jpath())).is_none(), "sync #{n}: {e}: a dense refit wrote pre-images");
+        if n % 2 == 0 {
+            io.crash(Crash::DropUnsynced);
+            t.crash(TargetCrash::Mix(n));
+        } else {
+            t.crash(TargetCrash::KeepAll);
+            io.clear_faults();
+        }
+        match run(&io, &mut t, &dense) {
+            Ok(_) => {}
+            Err(e) => panic!("sync #{n}: resuming the dense refit failed: {e}"),
+        }
+        assert_eq!(t.current, f.versions[2], "sync #{n}");
+        assert!(matches!(run(&io, &mut t, &dense).unwrap(), RefitOutcome::AlreadyAtTarget { .. }));
+        n += 1;
+    }
+    // It also ends a refit in flight that left the target at neither version.
+    let (io, mut t) = interrupted(&f);
+    assert!(matches!(run(&io, &mut t, &f.deltas[1]), Err(Error::JournalTransition { .. })));
+    assert!(matches!(run(&io, &mut t, &dense).unwrap(), RefitOutcome::Committed(_)));
+    assert_eq!(t.current, f.versions[2]);
+    // A dense delta whose result does not match its digests cannot be rolled
+    // back: it is aborted, and a good dense delta repairs the target.
+    let mut bad = dense.clone();
+    bad.trailer.tensor_digests[2][0] ^= 1;
+    bad.header.target_digest = f.layout.checkpoint_digest(&bad.trailer.tensor_digests);
+    let io = SimIo::new();
+    let mut t = junk();
+    assert!(matches!(run(&io, &mut t, &bad), Err(Error::RollbackIncomplete { .. })));
+    let s = status(&jpath(), io.clone()).unwrap();
+    assert!(s.state.last_abort.is_some_and(|a| a.touched_chunks > 0));
+    assert!(matches!(run(&io, &mut t, &f.deltas[0]), Err(Error::BaseMismatch { .. })));
+    run(&io, &mut t, &dense).unwrap();
+    assert_eq!(t.current, f.versions[2]);
+    resume_and_check(&io, &mut t, &f, 2, "after a failed dense refit");
+}
+
+/// Context-mode chunks decode against their base bytes: an in-progress one
+/// is decoded against the base rebuilt from its pre-image (which carries its
+/// positions), and a roll-back never decodes against the new bytes.
+#[test]
+fn context_mode_deltas_resume_and_roll_back() {
+    let f = fixture_mode(ChangeKind::Xor, Mode::Context);
+    assert!(f.deltas[0].chunks.iter().any(|c| c.mode == Mode::Context), "the fixture has context-mode chunks");
+    assert!(fail_each_mode(ChangeKind::Xor, Mode::Context, Fault::Sync) > 10);
+    assert!(fail_each_mode(ChangeKind::Xor, Mode::Context, Fault::PowerCut) > 20);
+    assert!(fail_each_mode(ChangeKind::Xor, Mode::Context, Fault::Flush) > 5);
+    let mut bad = f.deltas[0].clone();
+    bad.trailer.tensor_digests[0][1] ^= 1;
+    bad.header.target_digest = f.layout.checkpoint_digest(&bad.trailer.tensor_digests);
+    let io = SimIo::new();
+    let mut t = target(&f, 0);
+    assert!(matches!(run(&io, &mut t, &bad), Err(Error::TargetMismatch { .. })));
+    assert_eq!(t.current, f.versions[0]);
+    resume_and_check(&io, &mut t, &f, 0, "context mode after a roll-back");
 }
