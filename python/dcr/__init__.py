@@ -7,6 +7,7 @@ File level::
 
     stats = dcr.diff_files("step_010.safetensors", "step_011.safetensors", "10-11.dcr")
     dcr.apply_file("10-11.dcr", "replica.safetensors")      # in place
+    dcr.refit_file("10-11.dcr", "replica.safetensors")      # in place, crash-safe, resumable
 
 Tensor level (numpy arrays or CPU torch tensors, bf16 included, zero copy)::
 
@@ -39,6 +40,8 @@ from dcr._core import (
     diff_files,
     file_digest,
     inspect_file,
+    receiver_status,
+    refit_file,
 )
 from dcr import _core
 
@@ -64,6 +67,8 @@ __all__ = [
     "digest_tensors",
     "file_digest",
     "inspect_file",
+    "receiver_status",
+    "refit_file",
 ]
 
 

@@ -41,6 +41,8 @@ __all__ = [
     "objstore_publish_diff",
     "objstore_receive",
     "objstore_versions",
+    "receiver_status",
+    "refit_file",
 ]
 
 __version__: str
@@ -173,3 +175,14 @@ def objstore_receive(
 ) -> dict[str, Any]: ...
 def objstore_versions(url: str) -> list[dict[str, Any]]: ...
 def objstore_gc(url: str, *, dry_run: bool = False) -> dict[str, Any]: ...
+# ------------------------------------------------------------ resumable receiver (issue 3)
+
+def refit_file(
+    delta: str | Any,
+    target: str | Any,
+    *,
+    journal: str | Any | None = None,
+    batch_chunks: int = 256,
+    threads: int | None = None,
+) -> dict[str, Any]: ...
+def receiver_status(target: str | Any, *, journal: str | Any | None = None) -> dict[str, Any]: ...

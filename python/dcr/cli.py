@@ -69,19 +69,63 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def cmd_apply(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    result = dcr.apply_file(args.delta, args.target, threads=args.threads)
+    result = dcr.refit_file(
+        args.delta, args.target, journal=args.journal, batch_chunks=args.batch_chunks, threads=args.threads
+    )
     elapsed = time.perf_counter() - t0
     result["seconds"] = elapsed
     if args.json:
         print(json.dumps(result, indent=2))
     elif not args.quiet:
         if result["outcome"] == "already_at_target":
-            print(f"{args.target} is already at the delta's target version; nothing to do")
-        else:
             print(
-                f"{args.target}: applied {result['chunks']} chunks ({result['changed_elements']:,} elements) "
-                f"in {elapsed:.2f} s; digests verified"
+                f"{args.target} is already at the delta's target version {result['version']} "
+                f"(digest {result['digest'][:16]}); nothing to do"
             )
+        else:
+            resumed = ""
+            if result["resumed"]:
+                resumed = (
+                    f" (resumed: {result['skipped']} chunks already applied, "
+                    f"{result['repaired']} in-progress chunks repaired)"
+                )
+            print(
+                f"{args.target}: refit to version {result['version']} committed: applied {result['applied']} of "
+                f"{result['chunks']} chunks{resumed}, {result['changed_elements']:,} elements, in {elapsed:.2f} s; "
+                f"digests verified"
+            )
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    st = dcr.receiver_status(args.target, journal=args.journal)
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    print(f"target  {st['target']}")
+    print(f"journal {st['journal']}")
+    if not st["journal_exists"]:
+        print("no journal: this target was never refitted by `dcr apply`")
+        return 0
+    c = st["committed"]
+    print(f"committed version {c['version']}  digest {c['digest']}" if c else "committed: none")
+    r = st["refit"]
+    if r:
+        print(
+            f"refit in flight to version {r['version']} (delta {r['delta_id'][:16]}): {r['applied']} of "
+            f"{r['chunks']} chunks applied, {r['in_progress']} in progress, {r['not_started']} not started; "
+            f"rerun `dcr apply` with that delta to finish it"
+        )
+    else:
+        print("no refit in flight")
+    a = st["last_abort"]
+    if a:
+        print(f"last refit aborted: version {a['version']}, {a['touched_chunks']} chunk(s) touched: {a['reason']}")
+    if not st["target_is_committed"] and not r:
+        print("the target holds neither version: reload it densely (then `dcr apply` adopts it by its digest)")
+    if st["torn_tail"]:
+        t = st["torn_tail"]
+        print(f"torn journal tail of {t['bytes']} B at byte {t['offset']} ({t['reason']}); the next apply cuts it off")
     return 0
 
 
@@ -387,10 +431,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.set_defaults(func=cmd_diff)
 
-    a = sub.add_parser("apply", help="apply DELTA in place to TARGET (a safetensors file)")
+    a = sub.add_parser(
+        "apply",
+        help="apply DELTA in place to TARGET (a safetensors file), crash-safe: rerun after a failure to finish",
+    )
     a.add_argument("delta")
     a.add_argument("target")
+    a.add_argument("--journal", default=None, help="receiver journal (default: TARGET.dcrj beside it)")
+    a.add_argument("--batch-chunks", type=int, default=256, help="chunks per journaled batch (default 256)")
     a.set_defaults(func=cmd_apply)
+
+    s = sub.add_parser("status", help="the receiver's committed version and any refit in flight")
+    s.add_argument("target")
+    s.add_argument("--journal", default=None, help="receiver journal (default: TARGET.dcrj beside it)")
+    s.set_defaults(func=cmd_status)
 
     v = sub.add_parser("verify", help="bit-exact comparison of two safetensors files (exit 1 when they differ)")
     v.add_argument("a")
@@ -465,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     gcp.add_argument("--dry-run", action="store_true")
     gcp.set_defaults(func=cmd_gc)
 
-    for sp in (d, a, v, i, m, pb, rc, ver, gcp):
+    for sp in (d, a, s, v, i, m, pb, rc, ver, gcp):
         sp.add_argument("--json", action="store_true", help="machine-readable output")
         sp.add_argument("-q", "--quiet", action="store_true")
         sp.add_argument("--threads", type=int, default=None, help="worker threads (default: all cores)")

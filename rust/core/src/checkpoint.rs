@@ -282,4 +282,15 @@ impl WritableCheckpoint {
         let start = self.ranges[i].start + bytes.start;
         self.map.flush_range(start, bytes.len()).map_err(|e| Error::io("flush", &self.path, e))
     }
+
+    /// The byte range within the file of `bytes` of tensor `i`.
+    pub fn file_range(&self, i: usize, bytes: Range<usize>) -> Range<usize> {
+        let start = self.ranges[i].start + bytes.start;
+        start..start + bytes.len()
+    }
+
+    /// Flush a byte range of the file (one `msync` however many tensors it spans).
+    pub fn flush_file_range(&self, bytes: Range<usize>) -> Result<()> {
+        self.map.flush_range(bytes.start, bytes.len()).map_err(|e| Error::io("flush", &self.path, e))
+    }
 }

@@ -67,6 +67,16 @@ pub enum Error {
     #[error("after a failed apply, {count} tensor(s) could not be restored (first: {first}); the target holds neither version: do a dense refit")]
     RollbackFailed { count: usize, first: String },
 
+    #[error("rolling back a refit that failed verification did not restore its base: {detail}; the target holds neither version: do a dense refit")]
+    RollbackIncomplete { detail: String },
+
+    /// The publishing side's commit ledger refused an operation.
+    #[error("commit ledger: {op} refused: {detail}")]
+    LedgerRefused { op: &'static str, detail: String },
+
+    #[error("commit ledger {}: cannot read it ({detail}); restore it from a backup or start a new ledger from a dense version", path.display())]
+    LedgerCorrupt { path: PathBuf, detail: String },
+
     #[error("incomplete delta: {detail}; the stream ended early: fetch the rest (or the whole delta) again")]
     Incomplete { detail: String },
 

@@ -3,13 +3,15 @@
 //! Pure Rust, no Python: the canonical checkpoint model and digests
 //! ([`checkpoint`]), the chunk codec ([`codec`]), the delta format
 //! ([`format`]), whole-checkpoint diff/apply ([`delta`], [`files`]) and the
-//! receiver's crash-safe commit journal ([`journal`]); the relay-tree
-//! transport: I/O-free protocol state machines ([`relay`]) and their tokio
-//! drivers ([`net`]).
+//! receiver's crash-safe commit journal ([`journal`]) and the resumable
+//! in-place refit built on it ([`receiver`]); the publishing side's joint
+//! commit bookkeeping ([`commit`]); the relay-tree transport: I/O-free
+//! protocol state machines ([`relay`]) and their tokio drivers ([`net`]).
 #![deny(unsafe_code)]
 
 pub mod checkpoint;
 pub mod codec;
+pub mod commit;
 pub mod delta;
 pub mod dtype;
 pub mod error;
@@ -17,6 +19,7 @@ pub mod files;
 pub mod format;
 pub mod journal;
 pub mod net;
+pub mod receiver;
 pub mod relay;
 #[cfg(feature = "objstore")]
 pub mod objstore;

@@ -37,7 +37,7 @@ pub fn to_py(e: Error) -> PyErr {
         Error::UnsupportedVersion { .. } | Error::UnknownCode { .. } => UnsupportedFormatError::new_err(msg),
         Error::BaseMismatch { .. } => BaseMismatchError::new_err(msg),
         Error::LayoutMismatch { .. } => LayoutMismatchError::new_err(msg),
-        Error::TargetMismatch { .. } | Error::RollbackFailed { .. } => VerificationError::new_err(msg),
+        Error::TargetMismatch { .. } | Error::RollbackFailed { .. } | Error::RollbackIncomplete { .. } => VerificationError::new_err(msg),
         Error::UnsupportedDtype { .. } | Error::Invalid(_) => PyValueError::new_err(msg),
         Error::ObjectStore { .. } => ObjectStoreError::new_err(msg),
         Error::VersionExists { .. } => VersionExistsError::new_err(msg),

@@ -16,6 +16,7 @@ use dcr_core::delta::{self, ApplyOutcome, DeltaStats, DiffOptions};
 use dcr_core::dtype::DType;
 use dcr_core::files;
 use dcr_core::objstore;
+use dcr_core::receiver;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
@@ -375,6 +376,117 @@ fn apply_changes(py: Python<'_>, target: Span, width: usize, positions: &[u8], v
     py.detach(|| codec::apply_changes(target, width, kind, &changes)).map_err(to_py)
 }
 
+// ------------------------------------------------------------ resumable receiver
+
+fn torn_dict<'py>(py: Python<'py>, t: &Option<dcr_core::journal::TornTail>) -> PyResult<Option<Bound<'py, PyDict>>> {
+    let Some(t) = t else { return Ok(None) };
+    let d = PyDict::new(py);
+    d.set_item("offset", t.offset)?;
+    d.set_item("bytes", t.len)?;
+    d.set_item("reason", t.reason)?;
+    Ok(Some(d))
+}
+
+/// Apply a delta file in place to a safetensors file under a crash-safe
+/// journal (default `<target>.dcrj`): rerun after a crash to finish the
+/// refit exactly; rerun after success is a no-op.
+#[pyfunction]
+#[pyo3(signature = (delta, target, *, journal=None, batch_chunks=256, threads=None))]
+fn refit_file<'py>(
+    py: Python<'py>,
+    delta: PathBuf,
+    target: PathBuf,
+    journal: Option<PathBuf>,
+    batch_chunks: usize,
+    threads: Option<usize>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let pool = pool(threads)?;
+    let opts = receiver::RefitOptions { batch_chunks: batch_chunks.max(1), ..Default::default() };
+    let jpath = journal.unwrap_or_else(|| receiver::default_journal_path(&target));
+    let outcome =
+        py.detach(|| pool.install(|| receiver::refit_file(&delta, &target, Some(&jpath), &opts))).map_err(to_py)?;
+    let d = PyDict::new(py);
+    d.set_item("journal", jpath.to_string_lossy())?;
+    match outcome {
+        receiver::RefitOutcome::Committed(r) => {
+            d.set_item("outcome", "committed")?;
+            d.set_item("version", r.version)?;
+            d.set_item("digest", digest_hex(&r.digest))?;
+            d.set_item("chunks", r.chunks)?;
+            d.set_item("applied", r.applied)?;
+            d.set_item("repaired", r.repaired)?;
+            d.set_item("skipped", r.skipped)?;
+            d.set_item("changed_elements", r.changed)?;
+            d.set_item("resumed", r.resumed)?;
+            d.set_item("torn_tail", torn_dict(py, &r.torn_tail)?)?;
+        }
+        receiver::RefitOutcome::AlreadyAtTarget { version, digest } => {
+            d.set_item("outcome", "already_at_target")?;
+            d.set_item("version", version)?;
+            d.set_item("digest", digest_hex(&digest))?;
+            d.set_item("chunks", 0)?;
+            d.set_item("applied", 0)?;
+            d.set_item("repaired", 0)?;
+            d.set_item("skipped", 0)?;
+            d.set_item("changed_elements", 0)?;
+            d.set_item("resumed", false)?;
+            d.set_item("torn_tail", py.None())?;
+        }
+    }
+    Ok(d)
+}
+
+/// What the receiver journal of `target` says (read-only): the committed
+/// version and digest, the refit in flight with its chunk counts, the last
+/// abort, a torn tail the next refit will cut.
+#[pyfunction]
+#[pyo3(signature = (target, *, journal=None))]
+fn receiver_status<'py>(py: Python<'py>, target: PathBuf, journal: Option<PathBuf>) -> PyResult<Bound<'py, PyDict>> {
+    let st = py.detach(|| receiver::status_file(&target, journal.as_deref())).map_err(to_py)?;
+    let d = PyDict::new(py);
+    d.set_item("target", target.to_string_lossy())?;
+    d.set_item("journal", st.journal.to_string_lossy())?;
+    d.set_item("journal_exists", st.exists)?;
+    match &st.state.committed {
+        Some(c) => {
+            let cd = PyDict::new(py);
+            cd.set_item("version", c.version)?;
+            cd.set_item("digest", digest_hex(&c.digest))?;
+            d.set_item("committed", cd)?;
+        }
+        None => d.set_item("committed", py.None())?,
+    }
+    match &st.state.refit {
+        Some(r) => {
+            let rd = PyDict::new(py);
+            rd.set_item("version", r.plan.version)?;
+            rd.set_item("base_digest", digest_hex(&r.plan.base_digest))?;
+            rd.set_item("target_digest", digest_hex(&r.plan.target_digest))?;
+            rd.set_item("delta_id", digest_hex(&r.plan.delta_id))?;
+            rd.set_item("chunks", r.plan.n_chunks)?;
+            rd.set_item("applied", r.applied().len())?;
+            rd.set_item("in_progress", r.needs_repair().len())?;
+            rd.set_item("not_started", r.not_started().len())?;
+            d.set_item("refit", rd)?;
+        }
+        None => d.set_item("refit", py.None())?,
+    }
+    match &st.state.last_abort {
+        Some(a) => {
+            let ad = PyDict::new(py);
+            ad.set_item("version", a.version)?;
+            ad.set_item("touched_chunks", a.touched_chunks)?;
+            ad.set_item("reason", &a.reason)?;
+            d.set_item("last_abort", ad)?;
+        }
+        None => d.set_item("last_abort", py.None())?,
+    }
+    d.set_item("target_is_committed", st.state.target_is_committed())?;
+    d.set_item("torn_tail", torn_dict(py, &st.torn_tail)?)?;
+    d.set_item("undo_bytes", st.undo_bytes)?;
+    Ok(d)
+}
+
 /// Parse, validate and decode a whole delta: its header and, per chunk,
 /// (tensor name, start word, word width, kind, positions as uint32 LE bytes,
 /// values as uint64 LE bytes). For integrations that place changes
@@ -629,6 +741,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(digest_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(find_changes, m)?)?;
     m.add_function(wrap_pyfunction!(apply_changes, m)?)?;
+    m.add_function(wrap_pyfunction!(refit_file, m)?)?;
+    m.add_function(wrap_pyfunction!(receiver_status, m)?)?;
     m.add_function(wrap_pyfunction!(decode_delta, m)?)?;
     m.add_function(wrap_pyfunction!(transport::publish_delta, m)?)?;
     m.add_function(wrap_pyfunction!(transport::receive_delta, m)?)?;
