@@ -157,6 +157,7 @@ class Placement:
     tensors: dict[str, TensorPlacement]
     groups: dict[int, list[str]]  # group id -> canonical names
     probe_seconds: float = 0.0
+    written: set[str] = field(default_factory=set)  # storage tensors the loader writes
 
     def transforming(self) -> list[str]:
         return [n for n, t in self.tensors.items() if t.transforming]
@@ -367,7 +368,7 @@ def learn_placement(
 
     for name in layout.names:
         find("c:" + name)
-        for s in lands.get(name, ()) | edges.get(name, set()):
+        for s in lands.get(name, set()) | edges.get(name, set()):
             union("c:" + name, "s:" + s)
     comp_bad: dict[str, str] = {}
     for s in corrupt:
@@ -399,7 +400,8 @@ def learn_placement(
         if not tp.transforming:
             tp.tables = _tables(pairs.get(i, []))
         tensors[name] = tp
-    return Placement(tensors, groups, time.perf_counter() - t0)
+    written = {k for k, a in acc.items() if not bool(a["ones"].all())}
+    return Placement(tensors, groups, time.perf_counter() - t0, written)
 
 
 def _tables(pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> list[RunTable]:
@@ -448,9 +450,18 @@ class Receiver:
         placement: Placement | None = None,
     ) -> None:
         self.adapter = adapter
-        self.placement = placement or learn_placement(adapter, base, allow_unplaced=allow_unplaced)
         if placement is None:
+            # the probe overwrites all storage: keep what the loader never writes
+            # (rotary caches, KV scales, ...), reload the rest through the loader
+            saved = {k: v.to("cpu", copy=True) for k, v in adapter.storage().items()}
+            placement = learn_placement(adapter, base, allow_unplaced=allow_unplaced)
             adapter.restore(base)
+            with torch.no_grad():
+                for k, v in adapter.storage().items():
+                    if k not in placement.written and k in saved and saved[k].shape == v.shape:
+                        v.copy_(saved[k])
+            del saved
+        self.placement = placement
         self.shadow: dict[str, torch.Tensor] = {
             n: base[n].detach().to("cpu", copy=True).contiguous() for n in self.placement.transforming()
         }
@@ -537,11 +548,10 @@ class Receiver:
                 else:
                     dst[offs] = v
         t2 = time.perf_counter()
-        reloaded = []
-        for g in sorted(dirty_groups):
-            names = self.placement.groups[g]
-            self.adapter.load((n, self.shadow[n]) for n in names)
-            reloaded.extend(names)
+        # every dirty group whole, in one pass of the runtime's loader
+        reloaded = [n for g in sorted(dirty_groups) for n in self.placement.groups[g]]
+        if reloaded:
+            self.adapter.load((n, self.shadow[n]) for n in reloaded)
         t3 = time.perf_counter()
         if verify:
             have = self.digest()
