@@ -112,8 +112,8 @@ class RunTable:
 
 def _runs_from_pairs(c: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Compress (c, s) pairs, c strictly increasing, into affine runs
-    (vectorised; a run that begins where the step changes loses its first
-    pair to a singleton, which keeps the split valid without a scan)."""
+    (vectorised: split where the canonical index jumps or the storage step
+    changes, then let a pair stranded at a step change join the next run)."""
     m = int(c.numel())
     if m == 0:
         z = torch.zeros(0, dtype=torch.int64)
@@ -131,8 +131,18 @@ def _runs_from_pairs(c: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, ..
     step = torch.ones_like(idx)
     multi = n > 1
     if m > 1:
-        step[multi] = (s[idx[multi] + 1] - s[idx[multi]])
-    return c[idx].clone(), n, s[idx].clone(), step
+        step[multi] = s[idx[multi] + 1] - s[idx[multi]]
+    c0, s0 = c[idx].clone(), s[idx].clone()
+    # a singleton left at a step change joins the run after it when it fits
+    if c0.numel() > 1:
+        join = torch.zeros_like(n, dtype=torch.bool)
+        join[:-1] = (n[:-1] == 1) & (n[1:] > 1) & (c0[1:] - c0[:-1] == 1) & (s0[1:] - s0[:-1] == step[1:])
+        if bool(join.any()):
+            nxt = torch.nonzero(join).flatten() + 1
+            c0[nxt], s0[nxt], n[nxt] = c0[nxt - 1], s0[nxt - 1], n[nxt] + 1
+            keep = ~join
+            c0, n, s0, step = c0[keep], n[keep], s0[keep], step[keep]
+    return c0, n, s0, step
 
 
 @dataclass
