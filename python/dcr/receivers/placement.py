@@ -101,13 +101,29 @@ class RunTable:
     def elements(self) -> int:
         return int(self.n.sum())
 
-    def lookup(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mask of positions this table covers, their storage offsets)."""
-        r = torch.searchsorted(self.c0, pos, right=True) - 1
-        r.clamp_(min=0)
-        off = pos - self.c0[r]
-        hit = (off >= 0) & (off < self.n[r])
-        return hit, (self.s0[r] + off * self.step[r])[hit]
+    def lookup(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(mask of canonical positions this table covers, their storage offsets)."""
+        if self._np is None:
+            self._np = tuple(t.numpy() for t in (self.c0, self.n, self.s0, self.step))
+        c0, n, s0, st = self._np
+        if c0.size == 1:  # one run: pure arithmetic
+            off = pos - c0[0]
+            hit = (off >= 0) & (off < n[0])
+            return hit, s0[0] + off[hit] * st[0]
+        r = np.searchsorted(c0, pos, side="right") - 1
+        np.maximum(r, 0, out=r)
+        off = pos - c0[r]
+        hit = (off >= 0) & (off < n[r])
+        return hit, s0[r[hit]] + off[hit] * st[r[hit]]
+
+    def expand(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every (canonical index, storage offset) pair of the table."""
+        c0, n, s0, st = (t.numpy() for t in (self.c0, self.n, self.s0, self.step))
+        run = np.repeat(np.arange(c0.size), n)
+        k = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+        return c0[run] + k, s0[run] + k * st[run]
+
+    _np: tuple[np.ndarray, ...] | None = field(default=None, repr=False, compare=False)
 
 
 def _runs_from_pairs(c: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -498,9 +514,11 @@ class Receiver:
             flat = torch.empty(tp.numel, dtype=_INT_VIEW[w])
             for tb in tp.tables:
                 src = _int_view(storage[tb.target])
-                for c0, n, s0, st in zip(tb.c0.tolist(), tb.n.tolist(), tb.s0.tolist(), tb.step.tolist()):
-                    idx = torch.arange(n, dtype=torch.int64, device=src.device) * st + s0
-                    flat[c0 : c0 + n] = src[idx].cpu()
+                c, so = tb.expand()
+                if src.device.type == "cpu":
+                    flat.numpy()[c] = src.numpy()[so]
+                else:
+                    flat[torch.from_numpy(c)] = src[torch.from_numpy(so).to(src.device)].cpu()
             out[name] = flat.view(dt).reshape(shape)
         return out
 
@@ -544,19 +562,27 @@ class Receiver:
                 dirty_groups.add(tp.group)
                 n_shadow += len(pos_b) // 4
                 continue
-            pos = torch.from_numpy(np.frombuffer(pos_b, dtype="<u4").astype(np.int64)) + start
-            vals = torch.from_numpy(_np_values(val_b, w))
-            n_mapped += int(pos.numel())
-            for k, tb in enumerate(tp.tables):
+            pos = np.frombuffer(pos_b, dtype="<u4").astype(np.int64)
+            pos += start
+            vals = _np_values(val_b, w)
+            n_mapped += int(pos.size)
+            for tb in tp.tables:
                 hit, offs = tb.lookup(pos)
+                v = vals if bool(hit.all()) else vals[hit]
                 dst = _int_view(storage[tb.target])
-                v = vals[hit]
-                if dst.device.type != "cpu":
-                    offs, v = offs.to(dst.device, non_blocking=True), v.to(dst.device, non_blocking=True)
+                if dst.device.type == "cpu":
+                    d = dst.numpy()  # single-threaded numpy: no OpenMP barrier per small op
+                    if kind == "xor":
+                        d[offs] ^= v
+                    else:
+                        d[offs] = v
+                    continue
+                o = torch.from_numpy(offs).to(dst.device, non_blocking=True)
+                tv = torch.from_numpy(v).to(dst.device, non_blocking=True)
                 if kind == "xor":
-                    dst[offs] = dst[offs] ^ v
+                    dst[o] = dst[o] ^ tv
                 else:
-                    dst[offs] = v
+                    dst[o] = tv
         t2 = time.perf_counter()
         # every dirty group whole, in one pass of the runtime's loader
         reloaded = [n for g in sorted(dirty_groups) for n in self.placement.groups[g]]
