@@ -309,3 +309,37 @@ def test_cuda_module_mapped_apply() -> None:
     dense.load_state_dict(v1, strict=False)
     assert all(t.device.type == "cuda" for t in module_storage(m).values())
     assert_same_storage(m, dense)
+
+
+class RankShard(torch.nn.Module):
+    """Rank 1 of a 2-way tensor-parallel column split: keeps rows [n/2, n)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(16, 8, dtype=torch.bfloat16), requires_grad=False)
+
+    def _load_from_state_dict(self, sd, prefix, meta, strict, missing, unexpected, errors):  # noqa: ANN001
+        if prefix + "weight" in sd:
+            with torch.no_grad():
+                self.weight.copy_(sd[prefix + "weight"].narrow(0, 16, 16))
+
+
+def test_tensor_parallel_narrowing_with_allow_unplaced() -> None:
+    m = torch.nn.Module()
+    m.proj = RankShard()
+    v0 = {"proj.weight": torch.randn(32, 8).to(torch.bfloat16)}
+    m.load_state_dict(v0, strict=False)
+    # by default an element that lands nowhere is taken as transformed
+    strict = module_receiver(copy.deepcopy(m), v0)
+    assert strict.placement.transforming() == ["proj.weight"]
+    recv = module_receiver(m, v0, allow_unplaced=True)
+    tp = recv.placement.tensors["proj.weight"]
+    assert not tp.transforming and tp.tables[0].elements == 128 and tp.tables[0].runs == 1
+    dense = copy.deepcopy(m)
+    v1 = perturb(v0, 9, rate=0.3)
+    delta, _ = dcr.diff_tensors(v0, v1)
+    recv.apply(delta, verify=False)  # this rank cannot hold the whole checkpoint's digest
+    dense.load_state_dict(v1, strict=False)
+    assert_same_storage(m, dense)
+    with pytest.raises(dcr.LayoutMismatchError, match="tensor-parallel shard"):
+        recv.digest()

