@@ -14,7 +14,8 @@ apply starts from the right base. Prints a table and writes JSON
     python benches/bench_receivers.py --paths torch,fp8
 
 vLLM rows run in a child process each (one engine per process), with
-``VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1``.
+``VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1``, under
+``$DCR_VLLM_PYTHON`` when set (the environment ``.ci/install-vllm`` makes).
 """
 
 from __future__ import annotations
@@ -186,8 +187,8 @@ def vllm_child(layout: str, rate: float, repeats: int, work: str) -> dict:
 def path_vllm(layout: str, rate: float, repeats: int) -> dict:
     with tempfile.TemporaryDirectory() as work:
         p = subprocess.run(
-            [sys.executable, __file__, "--vllm-child", layout, "--rate", str(rate), "--repeats", str(repeats),
-             "--work", work],
+            [os.environ.get("DCR_VLLM_PYTHON") or sys.executable, __file__, "--vllm-child", layout,
+             "--rate", str(rate), "--repeats", str(repeats), "--work", work],
             capture_output=True, text=True, timeout=900,
         )
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("ROW ")]
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows, skipped = [], {}
     for name in a.paths.split(","):
-        if name.startswith("vllm") and importlib.util.find_spec("vllm") is None:
+        if name.startswith("vllm") and importlib.util.find_spec("vllm") is None and not os.environ.get("DCR_VLLM_PYTHON"):
             skipped[name] = "vLLM not installed"
             continue
         if name == "transformers" and importlib.util.find_spec("transformers") is None:

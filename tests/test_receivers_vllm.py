@@ -8,25 +8,33 @@ checkpoint) of the same engine."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+# vLLM may live in its own environment (.ci/install-vllm: its deps pin numpy < 2.4)
+PYTHON = os.environ.get("DCR_VLLM_PYTHON") or sys.executable
+SCRIPT = Path(__file__).with_name("_vllm_refit_check.py")
+
+
+def _has_vllm() -> bool:
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    return subprocess.run([PYTHON, "-c", probe], capture_output=True).returncode == 0
+
+
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (see docs/receivers.md)"),
+    pytest.mark.skipif(not _has_vllm(), reason=f"vLLM is not installed for {PYTHON} (see docs/receivers.md)"),
 ]
-
-SCRIPT = Path(__file__).with_name("_vllm_refit_check.py")
 
 
 def run(kind: str, layout: str, tmp_path: Path) -> dict:
     p = subprocess.run(
-        [sys.executable, str(SCRIPT), kind, layout, str(tmp_path)],
+        [PYTHON, str(SCRIPT), kind, layout, str(tmp_path)],
         capture_output=True, text=True, timeout=540,
     )
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -30,7 +30,7 @@ as a dense refit makes them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -294,12 +294,14 @@ def learn_placement(
     base: Mapping[str, torch.Tensor],
     *,
     allow_unplaced: bool = False,
-    min_run_ratio: float = 0.0,
 ) -> Placement:
     """Probe ``adapter``'s loader once and return the placement of every
     canonical tensor of ``base`` (which only supplies names, dtypes and
     shapes here). The runtime's storage holds probe values afterwards: call
-    ``adapter.restore(base)``; :class:`Receiver` does."""
+    ``adapter.restore(base)``; :class:`Receiver` does.
+
+    ``allow_unplaced``: canonical elements that land nowhere are not taken
+    as transformed (a tensor-parallel rank holds only its shard)."""
     t0 = time.perf_counter()
     layout = _Layout.of(base)
     widths = sorted(set(layout.totals) | {1, 2, 4, 8})
@@ -622,7 +624,3 @@ class Receiver:
                 "total": t4 - t0,
             },
         }
-
-
-def state_items(sd: Mapping[str, torch.Tensor]) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
-    return lambda: iter(sd.items())
