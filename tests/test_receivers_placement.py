@@ -343,3 +343,45 @@ def test_tensor_parallel_narrowing_with_allow_unplaced() -> None:
     assert_same_storage(m, dense)
     with pytest.raises(dcr.LayoutMismatchError, match="tensor-parallel shard"):
         recv.digest()
+
+
+class DerivedLoader(torch.nn.Module):
+    """Loaders that keep the dtype but compute (``A = -exp(A_log)``) or cast
+    (bf16 checkpoint -> fp32 parameter): both must come out transforming."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.A = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16), requires_grad=False)
+        self.w32 = torch.nn.Parameter(torch.zeros(16, 16), requires_grad=False)
+        self.plain = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16), requires_grad=False)
+
+    def _load_from_state_dict(self, sd, prefix, meta, strict, missing, unexpected, errors):  # noqa: ANN001
+        with torch.no_grad():
+            if prefix + "A_log" in sd:
+                self.A.copy_(-torch.exp(sd[prefix + "A_log"].float()))
+            if prefix + "w" in sd:
+                self.w32.copy_(sd[prefix + "w"])
+            if prefix + "plain" in sd:
+                self.plain.copy_(sd[prefix + "plain"])
+
+
+def test_computing_and_casting_loaders_are_transforming() -> None:
+    m = torch.nn.Module()
+    m.mix = DerivedLoader()
+    g = torch.Generator().manual_seed(0)
+    v0 = {
+        "mix.A_log": torch.randn(64, generator=g).to(torch.bfloat16),
+        "mix.w": torch.randn(16, 16, generator=g).to(torch.bfloat16),
+        "mix.plain": torch.randn(8, generator=g).to(torch.bfloat16),
+    }
+    m.load_state_dict(v0, strict=False)
+    dense = copy.deepcopy(m)
+    recv = module_receiver(m, v0)
+    # one module, one group: the plain tensor rides along with its module's transforming siblings
+    assert sorted(recv.placement.transforming()) == ["mix.A_log", "mix.plain", "mix.w"]
+    assert "computed" in recv.placement.tensors["mix.A_log"].reason
+    v1 = perturb(v0, 11, rate=0.2)
+    delta, _ = dcr.diff_tensors(v0, v1)
+    recv.apply(delta)
+    dense.load_state_dict(v1, strict=False)
+    assert_same_storage(m, dense)
