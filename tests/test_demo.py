@@ -27,3 +27,16 @@ def test_demo_runs_and_verifies_every_receiver(tmp_path):
         assert len(step["acks"]) == 2
     for plot in report["plots"]:
         assert (out / plot).stat().st_size > 10_000
+
+
+def test_demo_through_object_storage(tmp_path):
+    out = tmp_path / "report"
+    url = (tmp_path / "bucket").as_uri()
+    r = subprocess.run(
+        [sys.executable, "-m", "dcr.cli", "demo", "--steps", "2", "--receivers", "2", "--via", url, "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["transport"] == url and report["all_verified"]
+    assert [len(s["acks"]) for s in report["steps"]] == [2, 2]

@@ -195,7 +195,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", type=float, nargs="+", default=[16.0], help="checkpoint sizes in MiB")
+    p.add_argument("--sizes", type=float, nargs="+", default=[4.0, 16.0], help="checkpoint sizes in MiB (growing)")
     p.add_argument("--receivers", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--topologies", nargs="+", default=["star", "tree"], choices=["star", "tree"])
     p.add_argument("--fanout", type=int, default=4, help="relays under the root in a tree")

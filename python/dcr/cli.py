@@ -508,6 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--fanout", type=int, default=2, help="relays under the root (0: receivers attach to the root)")
     m.add_argument("--link-mib-s", type=float, default=None, help="limit every relay child link (MiB/s)")
     m.add_argument("--mode", choices=["free", "context"], default="context", help="codec mode of the deltas")
+    m.add_argument("--via", default=None, metavar="URL",
+                   help="refit through object storage at URL (e.g. file:///tmp/bucket) instead of a relay tree")
     m.set_defaults(func=cmd_demo)
 
     ver = sub.add_parser("versions", help="list the committed versions at an object-store URL")
