@@ -121,6 +121,7 @@ def publish_delta(
     expect_acks: int = 0,
     ack_timeout_s: float = 120.0,
     standby: list[str] = ...,
+    progress: Callable[[int, int], object] | None = None,
 ) -> dict[str, Any]: ...
 def receive_delta(
     target: str | Any,
@@ -130,6 +131,7 @@ def receive_delta(
     receiver_id: str | None = None,
     from_version: int = 0,
     timeout_s: float = 600.0,
+    progress: Callable[[int, int], object] | None = None,
 ) -> dict[str, Any]: ...
 def relay_main(argv: list[str]) -> int: ...
 

@@ -171,6 +171,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _publish_relay(args: argparse.Namespace) -> int:
+    bar = _bar(os.path.getsize(args.delta), "publish", args.quiet or args.json)
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
     t0 = time.perf_counter()
     report = dcr._core.publish_delta(
         args.delta,
@@ -180,7 +187,9 @@ def _publish_relay(args: argparse.Namespace) -> int:
         expect_acks=args.expect_acks,
         ack_timeout_s=args.ack_timeout,
         standby=args.standby,
+        progress=progress,
     )
+    bar.close()
     report["seconds"] = time.perf_counter() - t0
     if args.json:
         print(json.dumps(report, indent=2))
@@ -199,17 +208,29 @@ def _publish_relay(args: argparse.Namespace) -> int:
 
 def _receive_relay(args: argparse.Namespace) -> int:
     parents = [p for p in args.source.split(",") if p]
+    from tqdm import tqdm
+
     from_version = args.from_version
     for _ in range(max(args.follow, 1)):
+        bar = tqdm(desc=f"receive v{from_version}+", unit=" chunks", disable=args.quiet or args.json or None, leave=False)
+
+        def progress(done: int, _total: int, bar: Any = bar) -> None:
+            bar.n = done
+            bar.refresh()
+
         t0 = time.perf_counter()
-        result = dcr._core.receive_delta(
-            args.target,
-            parents,
-            key_file=args.key_file,
-            receiver_id=args.receiver_id,
-            from_version=from_version,
-            timeout_s=args.timeout,
-        )
+        try:
+            result = dcr._core.receive_delta(
+                args.target,
+                parents,
+                key_file=args.key_file,
+                receiver_id=args.receiver_id,
+                from_version=from_version,
+                timeout_s=args.timeout,
+                progress=progress,
+            )
+        finally:
+            bar.close()
         result["seconds"] = time.perf_counter() - t0
         result["finished_at"] = time.time()
         from_version = result["version"] + 1

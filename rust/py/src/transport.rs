@@ -22,7 +22,7 @@ fn key(path: Option<PathBuf>) -> dcr_core::Result<Option<PreSharedKey>> {
 /// Publish a delta file to a root relay (HOST:PORT), chunk by chunk, and
 /// optionally wait for `expect_acks` receivers to report.
 #[pyfunction]
-#[pyo3(signature = (delta, to, *, key_file=None, version=None, expect_acks=0, ack_timeout_s=120.0, standby=Vec::new()))]
+#[pyo3(signature = (delta, to, *, key_file=None, version=None, expect_acks=0, ack_timeout_s=120.0, standby=Vec::new(), progress=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn publish_delta<'py>(
     py: Python<'py>,
@@ -33,6 +33,7 @@ pub fn publish_delta<'py>(
     expect_acks: usize,
     ack_timeout_s: f64,
     standby: Vec<String>,
+    progress: Option<Py<PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let report = py
         .detach(|| -> dcr_core::Result<_> {
@@ -43,7 +44,13 @@ pub fn publish_delta<'py>(
             cfg.key = key(key_file)?;
             cfg.standby = standby;
             let version = version.unwrap_or(parsed.header.target_version);
-            let frames: Vec<bytes::Bytes> = chunks.iter().map(|c| bytes::Bytes::copy_from_slice(c)).collect();
+            let total: u64 = chunks.iter().map(|c| c.len() as u64).sum();
+            let mut sent = 0u64;
+            let frames = chunks.iter().map(move |c| {
+                sent += c.len() as u64;
+                report_progress(&progress, sent, total);
+                bytes::Bytes::copy_from_slice(c)
+            });
             net::publish_stream(
                 cfg,
                 version,
@@ -73,11 +80,22 @@ pub fn publish_delta<'py>(
     Ok(d)
 }
 
+/// Call `progress(done, total)` (bytes) with the GIL taken for the call only.
+fn report_progress(progress: &Option<Py<PyAny>>, done: u64, total: u64) {
+    if let Some(cb) = progress {
+        Python::attach(|py| {
+            if let Err(e) = cb.call1(py, (done, total)) {
+                e.print(py);
+            }
+        });
+    }
+}
+
 /// Receive one version from a relay tree (parents in failover order) and
 /// apply it in place to a safetensors file as its chunks arrive; then report
 /// the verdict (digest, ok/failed) up the tree.
 #[pyfunction]
-#[pyo3(signature = (target, parents, *, key_file=None, receiver_id=None, from_version=0, timeout_s=600.0))]
+#[pyo3(signature = (target, parents, *, key_file=None, receiver_id=None, from_version=0, timeout_s=600.0, progress=None))]
 pub fn receive_delta<'py>(
     py: Python<'py>,
     target: PathBuf,
@@ -86,6 +104,7 @@ pub fn receive_delta<'py>(
     receiver_id: Option<String>,
     from_version: u64,
     timeout_s: f64,
+    progress: Option<Py<PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let (outcome, version, failovers, parent) = py
         .detach(|| -> dcr_core::Result<_> {
@@ -115,7 +134,9 @@ pub fn receive_delta<'py>(
                         }
                         Ok(())
                     },
-                    |_, _, blob| {
+                    |_, seq, blob| {
+                        // done = chunks received so far; the total is unknown until the end (0).
+                        report_progress(&progress, u64::from(seq) + 1, 0);
                         if let Some(a) = applier.borrow_mut().as_mut() {
                             if let Err(e) = a.chunk(blob) {
                                 *result.borrow_mut() = Some(Err(e));
