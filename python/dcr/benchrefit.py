@@ -122,7 +122,11 @@ def run(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     link = int(args.link_mib_s * (1 << 20))
     all_rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="dcr-bench-refit-") as tmp:
+    # Receivers' targets in memory (/dev/shm) when available: rollout servers
+    # apply into (GPU) memory, and 16 receivers syncing files to this host's
+    # one disk would measure the disk, not the transport.
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and not args.on_disk else None
+    with tempfile.TemporaryDirectory(prefix="dcr-bench-refit-", dir=shm) as tmp:
         work = Path(tmp)
         key = work / "key"
         key.write_bytes(os.urandom(32))
@@ -138,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
             # The dense refit publishes v3's bytes again as v4 (a dense delta applies to any base).
             for topology in args.topologies:
                 for n in args.receivers:
-                    with_dense = args.dense_all or (n == args.receivers[0])
+                    with_dense = not args.no_dense and (args.dense_all or n == args.receivers[0])
                     print(f"[{mib:g} MiB, {topology}, {n} receivers] ...", flush=True)
                     rows = run_topology(work, versions, deltas, dense if with_dense else None, topology, n,
                                         args.fanout, link, key)
@@ -202,5 +206,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-mib-s", type=float, default=2.0, help="bandwidth of every child link (MiB/s)")
     p.add_argument("--mode", choices=["free", "context"], default="context")
     p.add_argument("--dense-all", action="store_true", help="run the dense reference for every receiver count")
+    p.add_argument("--no-dense", action="store_true", help="skip the dense reference (deltas only)")
     p.add_argument("--plot", action="store_true", help="write a PNG next to the JSON")
+    p.add_argument("--on-disk", action="store_true", help="keep receiver files on disk instead of /dev/shm")
     p.add_argument("--out", default="bench-out/refit.json")

@@ -522,16 +522,21 @@ fn parse_one(blob: &[u8], what: &str) -> Result<Frame> {
     }
 }
 
+/// The header of a transport's header blob (preamble + header frame).
+pub fn parse_header_blob(blob: &[u8]) -> Result<DeltaHeader> {
+    let pre = format::parse_preamble(blob)?
+        .ok_or_else(|| Error::truncated("preamble", format::PREAMBLE_LEN as u64, blob.len() as u64))?;
+    match parse_one(&blob[pre..], "header frame")? {
+        Frame::Header(h) => Ok(h),
+        _ => Err(Error::corrupt("header blob", "not a header frame")),
+    }
+}
+
 impl<'t> StreamApplier<'t> {
     /// Start from the header blob. `Ok(None)`: the target already holds the
     /// delta's target version (nothing to do).
     pub fn begin(header_blob: &[u8], layout: &Layout, targets: Vec<&'t mut [u8]>) -> Result<Option<Self>> {
-        let pre = format::parse_preamble(header_blob)?
-            .ok_or_else(|| Error::truncated("preamble", format::PREAMBLE_LEN as u64, header_blob.len() as u64))?;
-        let header = match parse_one(&header_blob[pre..], "header frame")? {
-            Frame::Header(h) => h,
-            _ => return Err(Error::corrupt("header blob", "not a header frame")),
-        };
+        let header = parse_header_blob(header_blob)?;
         layout.check_buffers(targets.iter().map(|t| t.len()))?;
         let base_digests = tensor_digests(&targets.iter().map(|t| &**t).collect::<Vec<_>>());
         if check_base(&header, layout, &base_digests)? {

@@ -118,6 +118,7 @@ pub fn receive_delta<'py>(
             cfg.from_version = from_version;
             cfg.timeout = Some(Duration::from_secs_f64(timeout_s));
             let result = std::cell::RefCell::new(None::<dcr_core::Result<ApplyOutcome>>);
+            let target_digest = std::cell::Cell::new(None::<dcr_core::checkpoint::Digest>);
             let outcome;
             let mut sub;
             {
@@ -127,6 +128,9 @@ pub fn receive_delta<'py>(
                     cfg,
                     |_, header| {
                         let views = buffers.borrow_mut().take().ok_or("a second header")?;
+                        if let Ok(h) = dcr_core::delta::parse_header_blob(header) {
+                            target_digest.set(Some(h.target_digest));
+                        }
                         match StreamApplier::begin(header, &layout, views) {
                             Ok(Some(a)) => *applier.borrow_mut() = Some(a),
                             Ok(None) => *result.borrow_mut() = Some(Ok(ApplyOutcome::AlreadyAtTarget)),
@@ -164,7 +168,12 @@ pub fn receive_delta<'py>(
                 });
             }
             ck.flush()?;
-            let digest = ck.checkpoint_digest();
+            // A verified refit holds exactly the delta's target (its digests were
+            // checked tensor by tensor); otherwise report what the target holds.
+            let digest = match (&outcome, target_digest.get()) {
+                (Ok(_), Some(d)) => d,
+                _ => ck.checkpoint_digest(),
+            };
             let (ok, reason) = match &outcome {
                 Ok(_) => (true, String::new()),
                 Err(e) => (false, e.to_string()),
