@@ -25,6 +25,7 @@ def test_demo_runs_and_verifies_every_receiver(tmp_path):
         assert step["verified"] and 0 < step["change_rate"] < 0.5
         assert step["payload_bytes"] * 10 < step["checkpoint_bytes"]
         assert len(step["acks"]) == 2
+    assert report["plots"] == ["change_and_payload.png", "refit_timeline.png"]
     for plot in report["plots"]:
         assert (out / plot).stat().st_size > 10_000
 
