@@ -111,20 +111,13 @@ def _plots(out: Path, rows: list[dict[str, Any]]) -> list[str]:
     return ["change_and_payload.png", "refit_timeline.png"]
 
 
-def _run_via_objstore(args: argparse.Namespace, torch: Any, model: Any, step: Any, base: Path, full: int,
-                      out: Path, work: Path) -> int:
-    """The same loop through object storage: each version's chunks and manifest
-    go to `--via URL`; every receiver process applies what is committed."""
-    import subprocess
-    import sys
-
-    url = args.via
-    replicas = [work / f"receiver{r}.safetensors" for r in range(args.receivers)]
-    for path in replicas:
-        shutil.copyfile(base, path)
+def _refit_loop(args: argparse.Namespace, torch: Any, model: Any, step: Any, base: Path, full: int, work: Path,
+                where: str, refit: Any) -> list[dict[str, Any]] | None:
+    """Train a step, export it, diff it against the previous version, then
+    `refit(step, delta, new) -> (spans, acks, ok)`; print a table row per step.
+    Returns the rows, or None when a receiver is not bit-exact."""
     print(f"dcr demo: a {sum(p.numel() for p in model.parameters()):,}-parameter transformer trained on the CPU "
-          f"({args.regime}), checkpoint {full / 2**20:.1f} MiB; {args.receivers} receiver processes reading {url}; "
-          f"report in {out}")
+          f"({args.regime}), checkpoint {full / 2**20:.1f} MiB; {args.receivers} receiver processes {where}")
     print(f"{'step':>4}  {'loss':>7}  {'changed %':>9}  {'payload':>10}  {'B/changed':>9}  {'vs full':>8}  "
           f"{'encode s':>8}  {'refit s':>8}  verified")
     rows: list[dict[str, Any]] = []
@@ -139,6 +132,40 @@ def _run_via_objstore(args: argparse.Namespace, torch: Any, model: Any, step: An
                                threads=args.threads)
         t_enc = time.perf_counter() - t0
         t0 = time.perf_counter()
+        spans, acks, ok = refit(s, delta, new)
+        t_refit = time.perf_counter() - t0
+        rows.append({
+            "step": s, "loss": loss, "change_rate": stats["change_rate"], "payload_bytes": stats["payload_bytes"],
+            "bytes_per_changed": stats["bytes_per_changed"], "checkpoint_bytes": full, "encode_s": t_enc,
+            "refit_s": t_refit, "verified": ok, "kind_rates": _kind_rates(stats), "receiver_spans": spans,
+            "acks": acks,
+        })
+        print(f"{s:>4}  {loss:>7.4f}  {100 * stats['change_rate']:>9.3f}  {stats['payload_bytes']:>10,}  "
+              f"{stats['bytes_per_changed']:>9.3f}  {full / stats['payload_bytes']:>7.1f}x  {t_enc:>8.3f}  "
+              f"{t_refit:>8.3f}  {'yes' if ok else 'NO'}", flush=True)
+        if not ok:
+            print(f"dcr demo: step {s}: a receiver differs from the dense export")
+            return None
+        if prev != base:
+            prev.unlink()
+        prev = new
+    return rows
+
+
+def _run_via_objstore(args: argparse.Namespace, torch: Any, model: Any, step: Any, base: Path, full: int,
+                      out: Path, work: Path) -> int:
+    """The same loop through object storage: each version's chunks and manifest
+    go to `--via URL`; every receiver process applies what is committed."""
+    import subprocess
+    import sys
+
+    url = args.via
+    replicas = [work / f"receiver{r}.safetensors" for r in range(args.receivers)]
+    for path in replicas:
+        shutil.copyfile(base, path)
+
+    def refit(s: int, delta: Path, new: Path) -> tuple[list[tuple[float, float]], list[Any], bool]:
+        t0 = time.perf_counter()
         dcr._core.objstore_publish(delta, url, version=s)
         procs = [subprocess.Popen([sys.executable, "-m", "dcr.cli", "receive", str(r), "--from", url,
                                    "--receiver-id", f"receiver{i}", "--json"],
@@ -150,28 +177,15 @@ def _run_via_objstore(args: argparse.Namespace, torch: Any, model: Any, step: An
             spans.append((0.0, time.perf_counter() - t0))
             if p.returncode != 0:
                 print(f"dcr demo: step {s}: a receiver failed: {e.strip()}")
-                return 1
+                return spans, [], False
             results.append(json.loads(o))
-        t_refit = time.perf_counter() - t0
         want = dcr.file_digest(new)
         ok = all(r["version"] == s for r in results) and all(not dcr.compare_files(r, new) for r in replicas) \
             and all(dcr.file_digest(r) == want for r in replicas)
-        rows.append({
-            "step": s, "loss": loss, "change_rate": stats["change_rate"], "payload_bytes": stats["payload_bytes"],
-            "bytes_per_changed": stats["bytes_per_changed"], "checkpoint_bytes": full, "encode_s": t_enc,
-            "refit_s": t_refit, "verified": ok, "kind_rates": _kind_rates(stats), "receiver_spans": spans,
-            "acks": [(f"receiver{i}", r["digest"]) for i, r in enumerate(results)],
-        })
-        print(f"{s:>4}  {loss:>7.4f}  {100 * stats['change_rate']:>9.3f}  {stats['payload_bytes']:>10,}  "
-              f"{stats['bytes_per_changed']:>9.3f}  {full / stats['payload_bytes']:>7.1f}x  {t_enc:>8.3f}  "
-              f"{t_refit:>8.3f}  {'yes' if ok else 'NO'}", flush=True)
-        if not ok:
-            print(f"dcr demo: step {s}: a receiver differs from the dense export")
-            return 1
-        if prev != base:
-            prev.unlink()
-        prev = new
-    return _summary(args, out, rows, full, transport=url)
+        return spans, [(f"receiver{i}", r["digest"]) for i, r in enumerate(results)], ok
+
+    rows = _refit_loop(args, torch, model, step, base, full, work, f"reading {url}; report in {out}", refit)
+    return 1 if rows is None else _summary(args, out, rows, full, transport=url)
 
 
 def _summary(args: argparse.Namespace, out: Path, rows: list[dict[str, Any]], full: int, transport: str) -> int:
@@ -231,7 +245,6 @@ def run(args: argparse.Namespace) -> int:
     key.write_bytes(os.urandom(32))
     limit = ["--rate-limit", str(int(args.link_mib_s * (1 << 20)))] if args.link_mib_s else []
     procs: list[Proc] = []
-    rows: list[dict[str, Any]] = []
     if args.via:
         return _run_via_objstore(args, torch, model, step, base, full, out, work)
     try:
@@ -249,61 +262,33 @@ def run(args: argparse.Namespace) -> int:
         replicas = [work / f"receiver{r}.safetensors" for r in range(args.receivers)]
         receivers = []
         per_leaf: dict[int, int] = {}
-        for r, path in enumerate(replicas):
+        for k, path in enumerate(replicas):
             shutil.copyfile(base, path)
-            addr = leaves[r % len(leaves)][1]
-            per_leaf[r % len(leaves)] = per_leaf.get(r % len(leaves), 0) + 1
-            p = Proc([*cli, "receive", str(path), "--from", f"{addr},{root_addr}", "--key-file", str(key),
-                       "--receiver-id", f"receiver{r}", "--follow", str(args.steps), "--json"], work / f"receiver{r}.log")
+            leaf = k % len(leaves)
+            per_leaf[leaf] = per_leaf.get(leaf, 0) + 1
+            p = Proc([*cli, "receive", str(path), "--from", f"{leaves[leaf][1]},{root_addr}", "--key-file", str(key),
+                      "--receiver-id", f"receiver{k}", "--follow", str(args.steps), "--json"], work / f"receiver{k}.log")
             procs.append(p)
             receivers.append(p)
         for leaf, count in per_leaf.items():
             leaves[leaf][0].wait_log("role=Subscriber", count)
         tree = f"a root relay and {args.fanout} relays under it" if args.fanout else "one relay"
-        print(f"dcr demo: a {sum(p.numel() for p in model.parameters()):,}-parameter transformer trained on the CPU "
-              f"({args.regime}), checkpoint {full / 2**20:.1f} MiB; {args.receivers} receiver processes behind {tree}; "
-              f"report in {out}")
-        print(f"{'step':>4}  {'loss':>7}  {'changed %':>9}  {'payload':>10}  {'B/changed':>9}  {'vs full':>8}  "
-              f"{'encode s':>8}  {'refit s':>8}  verified")
-        prev = base
         t_start = time.time()
-        for s in range(1, args.steps + 1):
-            loss = step()
-            new = work / f"v{s}.safetensors"
-            _export(torch, model, new, args.regime)
-            delta = work / f"v{s - 1}-v{s}.dcr"
-            t0 = time.perf_counter()
-            stats = dcr.diff_files(prev, new, delta, mode=args.mode, base_version=s - 1, target_version=s,
-                                   threads=args.threads)
-            t_enc = time.perf_counter() - t0
+
+        def refit(s: int, delta: Path, new: Path) -> tuple[list[tuple[float, float]], list[Any], bool]:
             t_pub = time.time()
-            t0 = time.perf_counter()
             report = dcr._core.publish_delta(delta, root_addr, key_file=str(key), expect_acks=args.receivers,
                                              ack_timeout_s=300.0)
-            t_refit = time.perf_counter() - t0
+            spans = [(t_pub - t_start, json.loads(p.line())["finished_at"] - t_start) for p in receivers]
             want = dcr.file_digest(new)
-            spans = []
-            for p in receivers:
-                line = json.loads(p.line())
-                spans.append((t_pub - t_start, line["finished_at"] - t_start))
             ok = (report["all_committed"] and all(d == want for _, d in report["committed"])
                   and all(not dcr.compare_files(r, new) for r in replicas))
-            rows.append({
-                "step": s, "loss": loss, "change_rate": stats["change_rate"], "payload_bytes": stats["payload_bytes"],
-                "bytes_per_changed": stats["bytes_per_changed"], "checkpoint_bytes": full, "encode_s": t_enc,
-                "refit_s": t_refit, "verified": ok, "kind_rates": _kind_rates(stats), "receiver_spans": spans,
-                "acks": report["committed"],
-            })
-            print(f"{s:>4}  {loss:>7.4f}  {100 * stats['change_rate']:>9.3f}  {stats['payload_bytes']:>10,}  "
-                  f"{stats['bytes_per_changed']:>9.3f}  {full / stats['payload_bytes']:>7.1f}x  {t_enc:>8.3f}  "
-                  f"{t_refit:>8.3f}  {'yes' if ok else 'NO'}", flush=True)
             if not ok:
-                print(f"dcr demo: step {s}: a receiver differs from the dense export: {report}")
-                return 1
-            if prev != base:
-                prev.unlink()
-            prev = new
+                print(f"dcr demo: step {s}: {report}")
+            return spans, report["committed"], ok
+
+        rows = _refit_loop(args, torch, model, step, base, full, work, f"behind {tree}; report in {out}", refit)
     finally:
         for p in procs:
             p.stop()
-    return _summary(args, out, rows, full, transport=f"relay tree (fanout {args.fanout})")
+    return 1 if rows is None else _summary(args, out, rows, full, transport=f"relay tree (fanout {args.fanout})")
