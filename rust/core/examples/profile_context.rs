@@ -61,6 +61,3 @@ fn main() {
     println!("whole diff {:.2} GB/s, whole apply {:.2} GB/s ({} threads)", gb(t_diff), gb(best_apply), rayon::current_num_threads());
     println!("context encode {:.2} GB/s, decode {:.2} GB/s, plain histogram pass {:.2} GB/s", gb(best[0]), gb(best[1]), gb(best[2]));
 }
-
-#[allow(dead_code)]
-fn unused() {}
