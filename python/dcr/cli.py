@@ -19,6 +19,17 @@ def _bar(total: int, desc: str, quiet: bool) -> Any:
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=quiet or None, leave=False)
 
 
+def _follow(bar: Any) -> Any:
+    """A `progress(done, total)` callback that moves `bar`."""
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    return progress
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -31,10 +42,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     total = os.path.getsize(args.new)
     bar = _bar(total, "diff", args.quiet or args.json)
 
-    def progress(done: int, total: int) -> None:
-        bar.total = total
-        bar.n = done
-        bar.refresh()
+    progress = _follow(bar)
 
     t0 = time.perf_counter()
     stats = dcr.diff_files(
@@ -173,10 +181,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def _publish_relay(args: argparse.Namespace) -> int:
     bar = _bar(os.path.getsize(args.delta), "publish", args.quiet or args.json)
 
-    def progress(done: int, total: int) -> None:
-        bar.total = total
-        bar.n = done
-        bar.refresh()
+    progress = _follow(bar)
 
     t0 = time.perf_counter()
     report = dcr._core.publish_delta(
@@ -323,10 +328,7 @@ def _publish_objstore(args: argparse.Namespace) -> int:
     total = os.path.getsize(args.delta)
     bar = _bar(total, "publish", args.quiet or args.json)
 
-    def progress(done: int, total: int) -> None:
-        bar.total = total
-        bar.n = done
-        bar.refresh()
+    progress = _follow(bar)
 
     t0 = time.perf_counter()
     try:
