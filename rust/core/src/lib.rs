@@ -13,6 +13,7 @@ pub mod checkpoint;
 pub mod codec;
 pub mod commit;
 pub mod delta;
+pub mod digest;
 pub mod dtype;
 pub mod error;
 pub mod files;

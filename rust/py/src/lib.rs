@@ -337,7 +337,7 @@ fn digest_buffers(py: Python<'_>, names: Vec<String>, dtypes: Vec<String>, shape
     let s = slices(&bufs);
     let s: Vec<&[u8]> = order.iter().map(|&i| s[i]).collect();
     layout.check_buffers(s.iter().map(|b| b.len())).map_err(to_py)?;
-    Ok(py.detach(|| digest_hex(&layout.checkpoint_digest(&dcr_core::checkpoint::tensor_digests(&s)))))
+    Ok(py.detach(|| digest_hex(&layout.checkpoint_digest(&layout.tensor_digests(&s)))))
 }
 
 /// The CPU reference of the GPU diff kernel: changed positions (uint32 LE

@@ -16,6 +16,7 @@ pub mod context;
 pub mod range;
 pub mod streams;
 
+use crate::digest::{DigestSum, WordChange};
 use crate::error::{Error, Result};
 use streams::{get_varint, put_stream, put_varint, StreamReader};
 
@@ -327,19 +328,7 @@ fn encode_dense(values: &[u8], width: usize, level: i32) -> Vec<u8> {
 /// Encode the changes between `old` and `new` (one chunk). `None` when the
 /// chunk did not change.
 pub fn encode_chunk(old: &[u8], new: &[u8], width: usize, opts: EncodeOptions) -> Result<Option<EncodedChunk>> {
-    let changes = find_changes(old, new, width, ChangeKind::Xor)?;
-    if changes.positions.is_empty() {
-        return Ok(None);
-    }
-    let changes = match opts.kind {
-        ChangeKind::Xor => changes,
-        ChangeKind::Overwrite => SparseChanges {
-            values: changes.positions.iter().map(|&p| read_word(&new[p as usize * width..][..width])).collect(),
-            positions: changes.positions,
-        },
-    };
-    let n = old.len() / width;
-    Ok(Some(encode_changes(&changes, n, width, opts, || dense_values(old, new, opts.kind))))
+    encode_chunk_with_context(old, new, width, opts, None)
 }
 
 /// Encode a chunk, trying the context-aware mode too when `model` is given
@@ -351,14 +340,25 @@ pub fn encode_chunk_with_context(
     opts: EncodeOptions,
     model: Option<&context::ContextModel>,
 ) -> Result<Option<EncodedChunk>> {
-    let Some(model) = model else { return encode_chunk(old, new, width, opts) };
     let xor = find_changes(old, new, width, ChangeKind::Xor)?;
     if xor.positions.is_empty() {
         return Ok(None);
     }
+    Ok(Some(encode_found(old, new, width, opts, model, xor)))
+}
+
+/// Encode a chunk whose XOR changes were already found (non-empty).
+pub fn encode_found(
+    old: &[u8],
+    new: &[u8],
+    width: usize,
+    opts: EncodeOptions,
+    model: Option<&context::ContextModel>,
+    xor: SparseChanges,
+) -> EncodedChunk {
     let n = old.len() / width;
     let m = xor.positions.len();
-    let ctx_payload = context::encode(old, new, &xor, model, opts.zstd_level);
+    let ctx_payload = model.map(|model| context::encode(old, new, &xor, model, opts.zstd_level));
     let changes = match opts.kind {
         ChangeKind::Xor => xor,
         ChangeKind::Overwrite => SparseChanges {
@@ -367,11 +367,31 @@ pub fn encode_chunk_with_context(
         },
     };
     let free = encode_changes(&changes, n, width, opts, || dense_values(old, new, opts.kind));
-    Ok(Some(if ctx_payload.len() < free.payload.len() {
-        EncodedChunk { encoding: Encoding::Sparse, mode: Mode::Context, n_changed: m as u32, payload: ctx_payload }
-    } else {
-        free
-    }))
+    match ctx_payload {
+        Some(ctx) if ctx.len() < free.payload.len() => {
+            EncodedChunk { encoding: Encoding::Sparse, mode: Mode::Context, n_changed: m as u32, payload: ctx }
+        }
+        _ => free,
+    }
+}
+
+impl SparseChanges {
+    /// How a tensor's digest moves when these XOR changes are applied to
+    /// `old` (the chunk's bytes; the chunk starts at `first_element`).
+    pub fn digest_moved_by_xor(&self, old: &[u8], width: usize, first_element: u64) -> DigestSum {
+        let changes: Vec<WordChange> = self
+            .positions
+            .iter()
+            .zip(&self.values)
+            .map(|(&p, &x)| {
+                let o = read_word(&old[p as usize * width..][..width]);
+                WordChange { element: first_element + u64::from(p), old: o, new: o ^ x }
+            })
+            .collect();
+        let mut moved = DigestSum::ZERO;
+        moved.changes(width, &changes);
+        moved
+    }
 }
 
 /// Encode changes already found (e.g. by a GPU compaction kernel). `dense`
@@ -543,24 +563,43 @@ impl DecodedChunk {
     /// Apply in place. `target` must be the chunk's range (n words); the
     /// positions were bounds-checked while decoding.
     pub fn apply(&self, target: &mut [u8], kind: ChangeKind) {
+        let _ = self.apply_tracked(target, kind, 0);
+    }
+
+    /// Apply in place and return how the tensor's digest moved: the sum of
+    /// `h(new) - h(old)` over the words written, `first_element` being the
+    /// chunk's first element within its tensor.
+    pub fn apply_tracked(&self, target: &mut [u8], kind: ChangeKind, first_element: u64) -> DigestSum {
         let width = self.width;
+        let mut written = Vec::with_capacity(match &self.inner {
+            Decoded::Sparse { positions, .. } => positions.len(),
+            Decoded::Full(v) => v.len() / width,
+        });
+        let mut write = |word: &mut [u8], element: u64, value: u64| {
+            let old = read_word(word);
+            let new = match kind {
+                ChangeKind::Xor => old ^ value,
+                ChangeKind::Overwrite => value,
+            };
+            word.copy_from_slice(&new.to_le_bytes()[..width]);
+            written.push(WordChange { element, old, new });
+        };
         match &self.inner {
             Decoded::Sparse { positions, planes } => {
                 for (i, &p) in positions.iter().enumerate() {
-                    let word = &mut target[p as usize * width..][..width];
-                    for (j, plane) in planes.iter().enumerate() {
-                        match kind {
-                            ChangeKind::Xor => word[j] ^= plane[i],
-                            ChangeKind::Overwrite => word[j] = plane[i],
-                        }
-                    }
+                    let value = planes.iter().enumerate().fold(0u64, |v, (j, plane)| v | (u64::from(plane[i]) << (8 * j)));
+                    write(&mut target[p as usize * width..][..width], first_element + u64::from(p), value);
                 }
             }
-            Decoded::Full(values) => match kind {
-                ChangeKind::Xor => target.iter_mut().zip(values).for_each(|(t, v)| *t ^= v),
-                ChangeKind::Overwrite => target.copy_from_slice(values),
-            },
+            Decoded::Full(values) => {
+                for (i, (word, v)) in target.chunks_exact_mut(width).zip(values.chunks_exact(width)).enumerate() {
+                    write(word, first_element + i as u64, read_word(v));
+                }
+            }
         }
+        let mut moved = DigestSum::ZERO;
+        moved.changes(width, &written);
+        moved
     }
 
     /// The target's current bytes at this chunk's positions, as a chunk that
