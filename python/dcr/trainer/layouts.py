@@ -309,24 +309,34 @@ def _runs_1d(ix: np.ndarray) -> list[tuple[int, int, int, int]]:
 
 
 def _segment(brk: np.ndarray, val: np.ndarray) -> np.ndarray:
-    """Start positions of runs where ``val`` is arithmetic with a positive
-    step; a run also starts wherever ``brk`` is set. Greedy and vectorised:
-    correct for any input, minimal for piecewise-affine data with runs of
-    length >= 2."""
+    """Start positions of the runs a greedy left-to-right scan cuts ``val``
+    into: arithmetic runs with a positive step, a new run also wherever
+    ``brk`` is set. Element i continues the run of i-1 unless forced (brk,
+    step <= 0) or its step differs from the step into i-1 while i-1 is not
+    itself a run start; chains of such differing steps alternate, which is
+    what makes the scan vectorisable."""
     n = len(val)
     if n == 0:
         return np.empty(0, dtype=np.int64)
-    start = brk.copy()
-    start[0] = True
-    if n > 1:
-        step = np.diff(val)
-        start[1:] |= step <= 0
-        # i continues the run of i-1 unless its step differs from the step into i-1
-        # (that comparison is skipped when i-1 opened a run through brk)
-        change = np.zeros(n, dtype=bool)
-        change[2:] = (step[1:] != step[:-1]) & ~brk[1:-1]
-        start |= change
-    return np.flatnonzero(start)
+    forced = brk.copy()
+    forced[0] = True
+    if n > 2:
+        step = np.diff(val)  # step[i-1]: into element i
+        forced[1:] |= step <= 0
+        cand = np.zeros(n, dtype=bool)
+        cand[2:] = step[1:] != step[:-1]
+        cand &= ~forced
+        start = forced.copy()
+        if cand.any():
+            pos = np.arange(n)
+            first = cand & ~np.concatenate(([False], cand[:-1]))  # first element of each chain
+            b = np.maximum.accumulate(np.where(first, pos, 0))
+            before = forced[np.maximum(b - 1, 0)]  # the element before a chain is final: forced or not a start
+            start[cand] = (((pos - b) % 2 == 0) != before)[cand]
+        return np.flatnonzero(start)
+    if n == 2:
+        forced[1] |= val[1] <= val[0]
+    return np.flatnonzero(forced)
 
 
 def _compress(cid: np.ndarray, cflat: np.ndarray, names: Sequence[str]) -> tuple[Piece, ...]:
