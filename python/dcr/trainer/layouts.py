@@ -327,12 +327,13 @@ def _segment(brk: np.ndarray, val: np.ndarray) -> np.ndarray:
         cand[2:] = step[1:] != step[:-1]
         cand &= ~forced
         start = forced.copy()
-        if cand.any():
-            pos = np.arange(n)
-            first = cand & ~np.concatenate(([False], cand[:-1]))  # first element of each chain
-            b = np.maximum.accumulate(np.where(first, pos, 0))
-            before = forced[np.maximum(b - 1, 0)]  # the element before a chain is final: forced or not a start
-            start[cand] = (((pos - b) % 2 == 0) != before)[cand]
+        ci = np.flatnonzero(cand)
+        if ci.size:
+            first = np.ones(ci.size, dtype=bool)  # first element of each chain of candidates
+            first[1:] = ci[1:] != ci[:-1] + 1
+            b = ci[first][np.cumsum(first) - 1]
+            before = forced[b - 1]  # the element before a chain is final: forced, or continuing a run
+            start[ci] = ((ci - b) % 2 == 0) != before
         return np.flatnonzero(start)
     if n == 2:
         forced[1] |= val[1] <= val[0]
@@ -562,11 +563,12 @@ def stacked_experts(local_name: str, template: str, projs: Sequence[str], *, num
 def _dtensor_types() -> tuple[Any, ...]:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+    strided: Any
     try:
-        from torch.distributed.tensor.placement_types import _StridedShard
+        from torch.distributed.tensor.placement_types import _StridedShard as strided
     except ImportError:  # older torch: no strided shards
-        _StridedShard = ()
-    return DTensor, Shard, Replicate, Partial, _StridedShard
+        strided = ()
+    return DTensor, Shard, Replicate, Partial, strided
 
 
 def _dtensor_index(dt: Any) -> list[np.ndarray]:
@@ -771,13 +773,15 @@ def _probe_batch(model: Any, sd: Mapping[str, torch.Tensor], names: Sequence[str
     cflat = np.full(total, -1, dtype=np.int64)
     cnames: list[str] = []
     canon: list[CanonicalTensor] = []
+    written = 0  # outputs == inputs and every input placed: one-to-one (duplicates inside a tensor included)
     for cname, t in conv.items():
         t = t[0] if isinstance(t, list) else t
         if t.dtype != torch.int64:
             raise ValueError(f"transformers' conversion to {cname} computes ({t.dtype} result on an int64 probe): "
                              "not a pure placement; send its values as overwrites instead")
         v = t.reshape(-1).numpy()
-        if v.size and (v.min() < 0 or v.max() >= total or (cid[v] >= 0).any() or np.unique(v).size != v.size):
+        written += v.size
+        if written > total or (v.size and (v.min() < 0 or v.max() >= total or (cid[v] >= 0).any())):
             raise ValueError(f"transformers' conversion to {cname} duplicates or invents elements: "
                              "not a one-to-one placement")
         src = names[int(np.searchsorted(bases, v[0], side="right")) - 1] if v.size else names[0]
@@ -785,7 +789,7 @@ def _probe_batch(model: Any, sd: Mapping[str, torch.Tensor], names: Sequence[str
         cflat[v] = np.arange(v.size, dtype=np.int64)
         cnames.append(cname)
         canon.append(CanonicalTensor(cname, tuple(t.shape), sd[src].dtype))
-    if (cid < 0).any():
+    if (cid < 0).any():  # with written <= total this also rules out duplicates
         miss = names[int(np.searchsorted(bases, np.flatnonzero(cid < 0)[0], side="right")) - 1]
         raise ValueError(f"transformers' conversion drops elements of {miss}: save_pretrained would not write them")
     for i, k in enumerate(names):
