@@ -256,14 +256,14 @@ def test_stacked_experts(rng, ep):
         # Megatron GroupedMLP: weight1 viewed [E, H, 2F] (glu halves on the last dim), weight2 viewed [E, F, H]
         t = "mg." + tmpl
         pl.add(*stacked_experts("weight1", t, ("gate_proj", "up_proj"), out_features=F, in_features=H,
-                                transposed=True, **kw))
+                                transposed=True, local_shape=(H, el * 2 * F), **kw))
         pl.add(*stacked_experts("weight2", t, ("down_proj",), out_features=H, in_features=F, transposed=True, **kw))
         n = {lp.local_name: len(lp.pieces) for lp in pl.local}
         assert n == {"gate_up": 2 * el, "down": el, "weight1": 2 * el * H, "weight2": el}
         ranks.append((pl, {
             "gate_up": np.stack([np.concatenate([gate[e], up[e]]) for e in mine]),
             "down": np.stack([down[e] for e in mine]),
-            "weight1": np.stack([np.concatenate([gate[e].T, up[e].T], axis=1) for e in mine]),
+            "weight1": np.stack([np.concatenate([gate[e].T, up[e].T], axis=1) for e in mine]).reshape(H, -1),
             "weight2": np.stack([down[e].T for e in mine]),
         }))
     full = {}
@@ -302,6 +302,7 @@ def _cases(world: int):
             ("s1_uneven", (2,), [Shard(1)], (4, 7)),
             ("rep", (2,), [Replicate()], (4, 3)),
             ("vec", (2,), [Shard(0)], (7,)),
+            ("scalar", (2,), [Replicate()], ()),
         ]
     return [
         ("s0_empty_rank", (4,), [Shard(0)], (3, 5)),
@@ -372,7 +373,7 @@ def test_dtensor_placements_on_gloo(tmp_path, world):
     mp.spawn(_dtensor_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
     ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(world)]
     names = sorted({k.split("|")[0] for k in ranks[0]})
-    assert len(names) >= 6 + 5
+    assert len(names) == len(_cases(world)) + 5  # + FSDP2: two weights, two biases, a buffer
     for name in names:
         full = ranks[0][f"{name}|full"]
         buf = np.zeros(full.size, dtype=np.uint32)

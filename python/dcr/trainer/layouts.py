@@ -277,6 +277,8 @@ def _box_pieces(canonical: str, index: Sequence[np.ndarray], global_shape: Seque
     indices ``index[d]`` along each dimension (row-major, contiguous)."""
     if any(len(ix) == 0 for ix in index):
         return []
+    if not index:  # 0-d tensor
+        return [_piece(canonical, local_offset, (1,), canonical_offset, (1,))]
     gstr = _strides(global_shape)
     runs = [_runs_1d(np.asarray(ix, dtype=np.int64)) for ix in index]  # (start position, len, first, step)
     lshape = [len(ix) for ix in index]
@@ -517,7 +519,7 @@ def vocab_parallel(local_name: str, canonical_name: str, vocab_size: int, hidden
 
 def stacked_experts(local_name: str, template: str, projs: Sequence[str], *, num_experts: int, out_features: int,
                     in_features: int, ep_rank: int, ep_size: int, transposed: bool = False,
-                    dtype: torch.dtype = torch.bfloat16) -> Built:
+                    local_shape: Sequence[int] | None = None, dtype: torch.dtype = torch.bfloat16) -> Built:
     """Expert-parallel stacked experts. Rank r holds experts
     [r*E/ep, (r+1)*E/ep) (Megatron's ``local_expert_indices``) as one tensor:
 
@@ -533,6 +535,10 @@ def stacked_experts(local_name: str, template: str, projs: Sequence[str], *, num
     projs ``("gate_proj", "up_proj")``. A transposed tensor fusing several
     projections gives one piece per (expert, projection, input row): each
     local row holds ``out`` contiguous elements of a canonical column.
+
+    ``local_shape`` overrides the reported shape when the parameter is
+    declared otherwise with the same row-major order (GroupedMLP's
+    ``weight1`` is declared [H, E_local*2F] and only viewed as [E_local, H, 2F]).
     """
     _check_rank(ep_rank, ep_size, "ep")
     el = _split(num_experts, ep_size, "num_experts")
@@ -551,6 +557,11 @@ def stacked_experts(local_name: str, template: str, projs: Sequence[str], *, num
             else:
                 pieces.extend(_piece(name, base + h * np_ * o + k * o, (o,), h, (i_,)) for h in range(i_))
     lshape = (el, i_, np_ * o) if transposed else (el, np_ * o, i_)
+    if local_shape is not None:
+        if math.prod(local_shape) != math.prod(lshape):
+            raise ValueError(f"{local_name}: local_shape {tuple(local_shape)} does not hold the "
+                             f"{math.prod(lshape)} elements of {lshape}")
+        lshape = _shape(local_shape)
     pieces.sort(key=lambda p: p.local_offset)
     return LocalPlacement(local_name, lshape, tuple(pieces)), tuple(canon)
 
