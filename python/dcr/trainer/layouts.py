@@ -556,7 +556,7 @@ def stacked_experts(local_name: str, template: str, projs: Sequence[str], *, num
                 pieces.append(_piece(name, base, (i_, o), 0, (1, i_)))
             else:
                 pieces.extend(_piece(name, base + h * np_ * o + k * o, (o,), h, (i_,)) for h in range(i_))
-    lshape = (el, i_, np_ * o) if transposed else (el, np_ * o, i_)
+    lshape: tuple[int, ...] = (el, i_, np_ * o) if transposed else (el, np_ * o, i_)
     if local_shape is not None:
         if math.prod(local_shape) != math.prod(lshape):
             raise ValueError(f"{local_name}: local_shape {tuple(local_shape)} does not hold the "
