@@ -24,9 +24,13 @@ from dcr.trainer.layouts import (
     vocab_padded_size,
     vocab_parallel,
 )
+from dcr.trainer.publisher import PublishReport, ShardedPublisher, cast_export
 
 __all__ = [
     "CanonicalTensor",
+    "PublishReport",
+    "ShardedPublisher",
+    "cast_export",
     "LocalPlacement",
     "Piece",
     "Placements",

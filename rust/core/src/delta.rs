@@ -109,6 +109,29 @@ pub fn diff(
     diff_from(layout, old, new, None, opts, sink, progress)
 }
 
+/// The header of the delta with these digests and options (`base_digest`:
+/// the base's checkpoint digest, or [`ANY_BASE`]).
+pub fn make_header(layout: &Layout, base_digest: Digest, target_tensor_digests: &[Digest], opts: &DiffOptions) -> DeltaHeader {
+    let target_digest = layout.checkpoint_digest(target_tensor_digests);
+    let delta_id = DeltaHeader::compute_id(
+        &base_digest,
+        &target_digest,
+        opts.base_version,
+        opts.target_version,
+        opts.chunk_bytes,
+        &[opts.kind as u8, opts.mode as u8, opts.dense as u8],
+    );
+    DeltaHeader {
+        delta_id,
+        base_digest,
+        target_digest,
+        base_version: opts.base_version,
+        target_version: opts.target_version,
+        chunk_bytes: opts.chunk_bytes,
+        layout: layout.clone(),
+    }
+}
+
 /// Changes found by the first pass, kept for the encoding pass while they
 /// fit in this many bytes (beyond it chunks are scanned again).
 const KEPT_CHANGES_BYTES: usize = 256 << 20;
@@ -172,24 +195,8 @@ pub fn diff_from(
         }
         (layout.checkpoint_digest(&old_d), sums.iter().map(DigestSum::digest).collect::<Vec<_>>(), kept)
     };
-    let target_digest = layout.checkpoint_digest(&new_d);
-    let delta_id = DeltaHeader::compute_id(
-        &base_digest,
-        &target_digest,
-        opts.base_version,
-        opts.target_version,
-        opts.chunk_bytes,
-        &[opts.kind as u8, opts.mode as u8, opts.dense as u8],
-    );
-    let header = DeltaHeader {
-        delta_id,
-        base_digest,
-        target_digest,
-        base_version: opts.base_version,
-        target_version: opts.target_version,
-        chunk_bytes: opts.chunk_bytes,
-        layout: layout.clone(),
-    };
+    let header = make_header(layout, base_digest, &new_d, opts);
+    let target_digest = header.target_digest;
     let mut stats = DeltaStats {
         base_digest,
         target_digest,

@@ -133,6 +133,16 @@ impl DigestSum {
         }
     }
 
+    /// Add one element (a word of `word_bytes`) at element index `element`.
+    pub fn add_word(&mut self, word_bytes: usize, element: u64, word: u64) {
+        if word_bytes == 8 {
+            self.add_unit(2 * element, word as u32);
+            self.add_unit(2 * element + 1, (word >> 32) as u32);
+        } else {
+            self.add_unit(element, word as u32);
+        }
+    }
+
     /// Add every element of `bytes` (whole words of `word_bytes`), the first
     /// being element `first_element` of its tensor.
     pub fn add_words(&mut self, bytes: &[u8], word_bytes: usize, first_element: u64) {

@@ -31,7 +31,7 @@ const MAX_DIMS: usize = 16;
 
 const TAG_HEADER: u8 = b'H';
 const TAG_CHUNK: u8 = b'C';
-const TAG_TRAILER: u8 = b'T';
+pub const TAG_TRAILER: u8 = b'T';
 const FRAME_OVERHEAD: usize = 1 + 4 + 4;
 pub const CHUNK_FIXED: usize = 8 + 4 + 4 + 8 + 4 + 4 + 4 + 4;
 

@@ -22,6 +22,7 @@ pub mod journal;
 pub mod net;
 pub mod receiver;
 pub mod relay;
+pub mod sharded;
 #[cfg(feature = "objstore")]
 pub mod objstore;
 

@@ -4,6 +4,7 @@
 #![deny(unsafe_code)]
 
 mod errors;
+mod sharded;
 mod transport;
 
 use std::collections::HashMap;
@@ -744,6 +745,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(refit_file, m)?)?;
     m.add_function(wrap_pyfunction!(receiver_status, m)?)?;
     m.add_function(wrap_pyfunction!(decode_delta, m)?)?;
+    m.add_function(wrap_pyfunction!(sharded::block_digest, m)?)?;
+    m.add_function(wrap_pyfunction!(sharded::moved_digest, m)?)?;
+    m.add_class::<sharded::ComposedDelta>()?;
+    m.add_class::<sharded::DeltaSink>()?;
     m.add_function(wrap_pyfunction!(transport::publish_delta, m)?)?;
     m.add_function(wrap_pyfunction!(transport::receive_delta, m)?)?;
     m.add_function(wrap_pyfunction!(transport::relay_main, m)?)?;
