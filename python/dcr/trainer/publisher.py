@@ -97,6 +97,8 @@ class _Local:
     canonical: list[int]  # canonical tensor index per entry of placement.canonical_names
     dtype: torch.dtype  # canonical dtype (all pieces of a local tensor share it)
     width: int
+    # The pieces sorted by local offset, as scan_and_project's parallel lists.
+    pieces: tuple[list[Any], ...] = ()
 
 
 class ShardedPublisher:
@@ -172,8 +174,11 @@ class ShardedPublisher:
             if len(dts) != 1:
                 raise ValueError(f"local tensor {lp.local_name} lands in canonical tensors of several dtypes {dts}")
             dtype = dts.pop()
+            ps = sorted(lp.pieces, key=lambda p: p.local_offset)
+            pieces = ([self.index[p.canonical] for p in ps], [p.local_offset for p in ps], [list(p.shape) for p in ps],
+                      [p.canonical_offset for p in ps], [list(p.canonical_strides) for p in ps])
             self.locals[lp.local_name] = _Local(lp, [self.index[c] for c in lp.canonical_names], dtype,
-                                                torch.empty(0, dtype=dtype).element_size())
+                                                torch.empty(0, dtype=dtype).element_size(), pieces)
         self.baseline: dict[str, torch.Tensor] = {}
         self.base_digests: list[bytes] | None = None
         self.version: int | None = None
@@ -273,6 +278,20 @@ class ShardedPublisher:
             hi = min(t.numel(), lo + self.scan_block)
             new = self._canonical_block(name, t, lo, hi)
             old = base[lo:hi]
+            if old.device.type == "cpu" and new.device.type == "cpu":
+                # One Rust pass: scan, project, move the digests.
+                new = new.contiguous()
+                nbytes = old.numel() * info.width
+                rec_b, moves, pos_b, xor_b = _core.scan_and_project(
+                    (old.data_ptr(), nbytes), (new.data_ptr(), nbytes), dname, lo, *info.pieces)
+                for c, d in moves:
+                    lanes[c] += self._lanes(d)
+                if pos_b:
+                    local_changes.append((lo, np.frombuffer(pos_b, dtype="<u4"),
+                                          np.frombuffer(xor_b, dtype="<u8").astype(narrow)))
+                if rec_b:
+                    records.append(np.frombuffer(rec_b, dtype=_RECORD))
+                continue
             pos, xor = self._changed_words(old, new, info.width)
             if pos.size == 0:
                 continue
@@ -339,12 +358,8 @@ class ShardedPublisher:
         self._local_changes: dict[str, list[tuple[int, np.ndarray, np.ndarray]]] = {}
         lanes = np.zeros((len(self.names), 4), dtype=np.uint32)
         parts = [r for name, t in local.items() for r in self._scan(name, t, lanes)]
-        records = np.concatenate(parts) if parts else np.empty(0, dtype=_RECORD)
+        records, gid = self._sorted(b"".join(p.tobytes() for p in parts))
         del parts
-        gid = self._chunk_ids(records)
-        order = np.lexsort((records["element"], gid))
-        records, gid = records[order], gid[order]
-        del order
         change_bytes = records.nbytes + gid.nbytes + sum(
             p.nbytes + x.nbytes for v in self._local_changes.values() for _, p, x in v)
         timings["scan"] = time.perf_counter() - t0
@@ -420,10 +435,10 @@ class ShardedPublisher:
             report.committed = True
         return report
 
-    def _chunk_ids(self, records: np.ndarray) -> np.ndarray:
-        """Global chunk id of each record (chunk c of tensor t: first_chunk[t] + c)."""
-        t = records["tensor"].astype(np.int64)
-        return self.first_chunk[t] + records["element"].astype(np.int64) // np.asarray(self.chunk_words, np.int64)[t]
+    def _sorted(self, records: bytes) -> tuple[np.ndarray, np.ndarray]:
+        """Packed records sorted by (global chunk id, element), and their ids."""
+        rec, gid = _core.sort_records(records, self.chunk_words, self.first_chunk[:-1].tolist())
+        return np.frombuffer(rec, dtype=_RECORD), np.frombuffer(gid, dtype="<u8").astype(np.int64)
 
     def _round(self, composed: Any, rec: np.ndarray, gid: np.ndarray, seq: int
                ) -> tuple[list[bytes], int, int, int]:
@@ -440,12 +455,9 @@ class ShardedPublisher:
         dist.all_to_all_single(recv_sizes, send_sizes, group=self.group)
         recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
         dist.all_to_all_single(recv, send, recv_sizes.tolist(), send_sizes.tolist(), group=self.group)
-        got = recv.numpy().view(_RECORD)
         del send, rec
-        got_gid = self._chunk_ids(got)
-        order = np.lexsort((got["element"], got_gid))
-        got, got_gid = got[order], got_gid[order]
-        del order, recv
+        got, got_gid = self._sorted(recv.numpy().tobytes())
+        del recv
 
         # Chunks with changes, numbered in canonical (= chunk id) order.
         keys = np.unique(got_gid)

@@ -96,6 +96,119 @@ pub fn block_digest(local: &[u8], word_bytes: usize, block: &AffineBlock) -> Res
     Ok(sum)
 }
 
+/// A block of a local tensor and the canonical tensor it lands in.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Piece {
+    pub tensor: u32,
+    pub block: AffineBlock,
+}
+
+/// The changes of one scanned run of a local tensor, in canonical
+/// coordinates, and what the scan saw locally.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ProjectedChanges {
+    /// Per exported change: canonical tensor, element index, XOR word.
+    pub tensor: Vec<u32>,
+    pub element: Vec<u64>,
+    pub xor: Vec<u64>,
+    /// How each touched canonical tensor's digest moves.
+    pub moved: Vec<(u32, DigestSum)>,
+    /// Every change by its position in the run (exported or padding): the
+    /// baseline update at the commit.
+    pub local: SparseChanges,
+}
+
+/// Scan `old` against `new` (elements `first_local..` of a local tensor,
+/// words of `width`), project each change through `pieces` (sorted by
+/// local offset, disjoint; changes in no piece are not exported) and move
+/// the digests.
+pub fn scan_and_project(old: &[u8], new: &[u8], width: usize, first_local: u64, pieces: &[Piece]) -> Result<ProjectedChanges> {
+    if pieces.windows(2).any(|w| w[0].block.local_offset + w[0].block.numel().unwrap_or(u64::MAX) > w[1].block.local_offset) {
+        return Err(Error::Invalid("pieces must be sorted by local offset and disjoint".into()));
+    }
+    for p in pieces {
+        if p.block.shape.len() != p.block.canonical_strides.len() || p.block.shape.contains(&0) {
+            return Err(Error::Invalid(format!("piece at local offset {} has shape {:?} and strides {:?}", p.block.local_offset, p.block.shape, p.block.canonical_strides)));
+        }
+    }
+    let local = codec::find_changes(old, new, width, ChangeKind::Xor)?;
+    let mut out = ProjectedChanges { local: SparseChanges::default(), ..Default::default() };
+    let mut per_tensor: Vec<(u32, Vec<WordChange>)> = Vec::new();
+    let mut k = 0usize; // current piece
+    for (&p, &x) in local.positions.iter().zip(&local.values) {
+        let at = first_local + u64::from(p);
+        while k < pieces.len() && pieces[k].block.local_offset + pieces[k].block.numel()? <= at {
+            k += 1;
+        }
+        let Some(piece) = pieces.get(k).filter(|q| q.block.local_offset <= at) else { continue };
+        let mut rem = at - piece.block.local_offset;
+        let mut element = piece.block.canonical_offset;
+        for (&dim, &stride) in piece.block.shape.iter().zip(&piece.block.canonical_strides).rev() {
+            element += (rem % dim) * stride;
+            rem /= dim;
+        }
+        let mut w = [0u8; 8];
+        w[..width].copy_from_slice(&old[p as usize * width..(p as usize + 1) * width]);
+        let o = u64::from_le_bytes(w);
+        match per_tensor.last_mut() {
+            Some((t, v)) if *t == piece.tensor => v.push(WordChange { element, old: o, new: o ^ x }),
+            _ => per_tensor.push((piece.tensor, vec![WordChange { element, old: o, new: o ^ x }])),
+        }
+        out.tensor.push(piece.tensor);
+        out.element.push(element);
+        out.xor.push(x);
+    }
+    let mut moved: Vec<(u32, DigestSum)> = Vec::new();
+    for (t, changes) in per_tensor {
+        let d = moved_digest(width, &changes);
+        match moved.iter_mut().find(|(u, _)| *u == t) {
+            Some((_, s)) => *s = s.plus(d),
+            None => moved.push((t, d)),
+        }
+    }
+    out.moved = moved;
+    out.local = local;
+    Ok(out)
+}
+
+/// One change on its way to its chunk's owner, as the ranks exchange it:
+/// packed little-endian tensor u32, element u64, XOR word u64.
+pub const RECORD_BYTES: usize = 20;
+
+/// Sort packed change records by (global chunk id, element) on all cores and
+/// return them with their chunk ids. Chunk `c` of tensor `t` has id
+/// `first_chunk[t] + c`; `chunk_words[t]` is the tensor's chunk size.
+pub fn sort_records(records: &[u8], chunk_words: &[u64], first_chunk: &[u64]) -> Result<(Vec<u8>, Vec<u64>)> {
+    use rayon::prelude::*;
+    if records.len() % RECORD_BYTES != 0 {
+        return Err(Error::Invalid(format!("{} bytes is not a whole number of {RECORD_BYTES}-byte records", records.len())));
+    }
+    let n = records.len() / RECORD_BYTES;
+    let mut keyed: Vec<(u64, u64, u32)> = (0..n)
+        .into_par_iter()
+        .map(|i| {
+            let r = &records[i * RECORD_BYTES..(i + 1) * RECORD_BYTES];
+            let t = u32::from_le_bytes(r[..4].try_into().expect("4 bytes"));
+            let e = u64::from_le_bytes(r[4..12].try_into().expect("8 bytes"));
+            let (Some(&k), Some(&f)) = (chunk_words.get(t as usize), first_chunk.get(t as usize)) else {
+                return Err(Error::Invalid(format!("record {i} names tensor {t} of {}", chunk_words.len())));
+            };
+            Ok((f + e / k.max(1), e, i as u32))
+        })
+        .collect::<Result<_>>()?;
+    // Runs from one scan usually arrive in order already.
+    if !keyed.par_windows(2).all(|w| w[0] <= w[1]) {
+        keyed.par_sort_unstable();
+    } else {
+        return Ok((records.to_vec(), keyed.into_iter().map(|(g, _, _)| g).collect()));
+    }
+    let mut out = vec![0u8; records.len()];
+    out.par_chunks_mut(RECORD_BYTES).zip(keyed.par_iter()).for_each(|(dst, &(_, _, i))| {
+        dst.copy_from_slice(&records[i as usize * RECORD_BYTES..(i as usize + 1) * RECORD_BYTES]);
+    });
+    Ok((out, keyed.into_iter().map(|(g, _, _)| g).collect()))
+}
+
 /// How a tensor's digest moves by these changes (canonical element indices).
 pub fn moved_digest(word_bytes: usize, changes: &[WordChange]) -> DigestSum {
     let mut d = DigestSum::ZERO;

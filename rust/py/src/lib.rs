@@ -747,6 +747,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_delta, m)?)?;
     m.add_function(wrap_pyfunction!(sharded::block_digest, m)?)?;
     m.add_function(wrap_pyfunction!(sharded::moved_digest, m)?)?;
+    m.add_function(wrap_pyfunction!(sharded::scan_and_project, m)?)?;
+    m.add_function(wrap_pyfunction!(sharded::sort_records, m)?)?;
     m.add_class::<sharded::ComposedDelta>()?;
     m.add_class::<sharded::DeltaSink>()?;
     m.add_function(wrap_pyfunction!(transport::publish_delta, m)?)?;

@@ -77,6 +77,74 @@ pub fn moved_digest<'py>(py: Python<'py>, dtype: &str, elements: &[u8], old: &[u
     Ok(PyBytes::new(py, &d.digest()))
 }
 
+/// Scan a run of a local tensor against its baseline and project the
+/// changes into canonical coordinates through the pieces (parallel lists,
+/// sorted by local offset). Returns (records: packed little-endian
+/// (tensor u32, element u64, xor u64) per exported change, digest moves as
+/// [(tensor, 16 bytes)], local positions uint32 LE, local XOR words uint64 LE).
+#[pyfunction]
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+pub fn scan_and_project<'py>(
+    py: Python<'py>,
+    old: Span,
+    new: Span,
+    dtype: &str,
+    first_local: u64,
+    tensors: Vec<u32>,
+    local_offsets: Vec<u64>,
+    shapes: Vec<Vec<u64>>,
+    canonical_offsets: Vec<u64>,
+    canonical_strides: Vec<Vec<u64>>,
+) -> PyResult<(Bound<'py, PyBytes>, Vec<(u32, Bound<'py, PyBytes>)>, Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+    let w = word_bytes(dtype)?;
+    let n = tensors.len();
+    if [local_offsets.len(), shapes.len(), canonical_offsets.len(), canonical_strides.len()].iter().any(|&l| l != n) {
+        return Err(pyo3::exceptions::PyValueError::new_err("piece lists must have the same length"));
+    }
+    if old.1 != new.1 {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!("old has {} bytes, new {}", old.1, new.1)));
+    }
+    crate::check_spans(&[old, new], false)?;
+    let pieces: Vec<sharded::Piece> = (0..n)
+        .map(|i| sharded::Piece {
+            tensor: tensors[i],
+            block: AffineBlock {
+                local_offset: local_offsets[i],
+                shape: shapes[i].clone(),
+                canonical_offset: canonical_offsets[i],
+                canonical_strides: canonical_strides[i].clone(),
+            },
+        })
+        .collect();
+    let spans = [old, new];
+    let s = slices(&spans);
+    let (records, local_pos, local_xor, moved) = py
+        .detach(|| -> dcr_core::Result<_> {
+            let pc = sharded::scan_and_project(s[0], s[1], w, first_local, &pieces)?;
+            let mut rec = Vec::with_capacity(pc.tensor.len() * 20);
+            for ((t, e), x) in pc.tensor.iter().zip(&pc.element).zip(&pc.xor) {
+                rec.extend_from_slice(&t.to_le_bytes());
+                rec.extend_from_slice(&e.to_le_bytes());
+                rec.extend_from_slice(&x.to_le_bytes());
+            }
+            let pos: Vec<u8> = pc.local.positions.iter().flat_map(|p| p.to_le_bytes()).collect();
+            let xor: Vec<u8> = pc.local.values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            Ok((rec, pos, xor, pc.moved))
+        })
+        .map_err(to_py)?;
+    let moved = moved.into_iter().map(|(t, d)| (t, PyBytes::new(py, &d.digest()))).collect();
+    Ok((PyBytes::new(py, &records), moved, PyBytes::new(py, &local_pos), PyBytes::new(py, &local_xor)))
+}
+
+/// Sort packed change records (see `scan_and_project`) by (global chunk id,
+/// element); returns the sorted records and their chunk ids (uint64 LE).
+#[pyfunction]
+pub fn sort_records<'py>(py: Python<'py>, records: &[u8], chunk_words: Vec<u64>, first_chunk: Vec<u64>) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+    let (sorted, gids) = py.detach(|| sharded::sort_records(records, &chunk_words, &first_chunk)).map_err(to_py)?;
+    let g: Vec<u8> = gids.iter().flat_map(|g| g.to_le_bytes()).collect();
+    Ok((PyBytes::new(py, &sorted), PyBytes::new(py, &g)))
+}
+
 /// The header of a delta composed from many ranks' changes, and the frames
 /// built against it.
 #[pyclass(module = "dcr._core", frozen)]
