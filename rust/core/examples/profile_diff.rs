@@ -38,6 +38,15 @@ fn main() {
         stages.push((name, v));
     };
     pool.install(|| {
+        time("read old + new (bound)", &mut || {
+            let mut acc = 0u64;
+            for (o, n) in ob.iter().zip(&nb) {
+                for (x, y) in o.chunks_exact(8).zip(n.chunks_exact(8)) {
+                    acc |= u64::from_le_bytes(x.try_into().unwrap()) ^ u64::from_le_bytes(y.try_into().unwrap());
+                }
+            }
+            std::hint::black_box(acc);
+        });
         time("digest (full pass)", &mut || {
             std::hint::black_box(layout.tensor_digests(&ob));
         });

@@ -136,10 +136,31 @@ fn lane_mask(width: usize) -> u64 {
     }
 }
 
+#[inline(always)]
+fn write_word(dst: &mut [u8], v: u64) {
+    match dst.len() {
+        1 => dst[0] = v as u8,
+        2 => dst.copy_from_slice(&(v as u16).to_le_bytes()),
+        4 => dst.copy_from_slice(&(v as u32).to_le_bytes()),
+        8 => dst.copy_from_slice(&v.to_le_bytes()),
+        n => dst.copy_from_slice(&v.to_le_bytes()[..n]),
+    }
+}
+
+#[inline(always)]
 fn read_word(bytes: &[u8]) -> u64 {
-    let mut w = [0u8; 8];
-    w[..bytes.len()].copy_from_slice(bytes);
-    u64::from_le_bytes(w)
+    // Fixed-size loads: a variable-length copy would be a memcpy call.
+    match bytes.len() {
+        1 => u64::from(bytes[0]),
+        2 => u64::from(u16::from_le_bytes([bytes[0], bytes[1]])),
+        4 => u64::from(u32::from_le_bytes(bytes.try_into().expect("4 bytes"))),
+        8 => u64::from_le_bytes(bytes.try_into().expect("8 bytes")),
+        n => {
+            let mut w = [0u8; 8];
+            w[..n].copy_from_slice(bytes);
+            u64::from_le_bytes(w)
+        }
+    }
 }
 
 fn check_width(width: usize) -> Result<()> {
@@ -240,6 +261,117 @@ fn scan<T: Word>(old: &[u8], new: &[u8], kind: ChangeKind, out: &mut SparseChang
     visit(tail, a, b, mask, out);
 }
 
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod scan_avx2 {
+    //! The change scan with AVX2: 32 bytes of each side per compare; the
+    //! byte mask of differing words is visited bit by bit.
+    use super::{ChangeKind, SparseChanges, Word};
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn scan(old: &[u8], new: &[u8], width: usize, kind: ChangeKind, out: &mut SparseChanges) {
+        match width {
+            1 => scan_words::<u8>(old, new, kind, out),
+            2 => scan_words::<u16>(old, new, kind, out),
+            4 => scan_words::<u32>(old, new, kind, out),
+            _ => scan_words::<u64>(old, new, kind, out),
+        }
+    }
+
+    /// Bit `k` set when word `k` of the 64 words at `pa`/`pb` differs.
+    /// (No closures: they would not inherit the AVX2 target feature.)
+    #[inline(always)]
+    unsafe fn block_mask(pa: *const u8, pb: *const u8, width: usize) -> u64 {
+        macro_rules! eq {
+            ($k:expr, $cmp:ident) => {
+                $cmp(_mm256_loadu_si256(pa.add(32 * $k).cast()), _mm256_loadu_si256(pb.add(32 * $k).cast()))
+            };
+        }
+        let mut same = 0u64;
+        match width {
+            1 => {
+                same = (_mm256_movemask_epi8(eq!(0, _mm256_cmpeq_epi8)) as u32 as u64)
+                    | ((_mm256_movemask_epi8(eq!(1, _mm256_cmpeq_epi8)) as u32 as u64) << 32);
+            }
+            2 => {
+                // Saturating packs keep -1 / 0 per word; the permute fixes the lane order.
+                let lo = _mm256_permute4x64_epi64(
+                    _mm256_packs_epi16(eq!(0, _mm256_cmpeq_epi16), eq!(1, _mm256_cmpeq_epi16)),
+                    0b11_01_10_00,
+                );
+                let hi = _mm256_permute4x64_epi64(
+                    _mm256_packs_epi16(eq!(2, _mm256_cmpeq_epi16), eq!(3, _mm256_cmpeq_epi16)),
+                    0b11_01_10_00,
+                );
+                same = (_mm256_movemask_epi8(lo) as u32 as u64) | ((_mm256_movemask_epi8(hi) as u32 as u64) << 32);
+            }
+            4 => {
+                let mut k = 0;
+                while k < 8 {
+                    same |= (_mm256_movemask_ps(_mm256_castsi256_ps(eq!(k, _mm256_cmpeq_epi32))) as u64) << (8 * k);
+                    k += 1;
+                }
+            }
+            _ => {
+                let mut k = 0;
+                while k < 16 {
+                    same |= (_mm256_movemask_pd(_mm256_castsi256_pd(eq!(k, _mm256_cmpeq_epi64))) as u64) << (4 * k);
+                    k += 1;
+                }
+            }
+        }
+        !same
+    }
+
+    #[inline(always)]
+    unsafe fn scan_words<T: Word>(old: &[u8], new: &[u8], kind: ChangeKind, out: &mut SparseChanges) {
+        let width = T::BYTES;
+        let n = old.len() / width;
+        let blocks = n / 64;
+        let (pa, pb) = (old.as_ptr(), new.as_ptr());
+        let positions = &mut out.positions;
+        let mut len = positions.len();
+        for blk in 0..blocks {
+            let mut m = block_mask(pa.add(blk * 64 * width), pb.add(blk * 64 * width), width);
+            if m == 0 {
+                continue;
+            }
+            let cnt = m.count_ones() as usize;
+            if positions.capacity() < len + 64 {
+                positions.reserve(len + 64 + (n - blk * 64) / 16 - positions.len());
+            }
+            // Branch-free: write eight candidates, keep `cnt` of them.
+            let dst = positions.as_mut_ptr().add(len);
+            let base = (blk * 64) as u32;
+            for j in 0..8 {
+                *dst.add(j) = base + m.trailing_zeros();
+                m &= m.wrapping_sub(1);
+            }
+            for j in 8..cnt {
+                *dst.add(j) = base + m.trailing_zeros();
+                m &= m.wrapping_sub(1);
+            }
+            len += cnt;
+            positions.set_len(len);
+        }
+        for i in blocks * 64..n {
+            if old[i * width..(i + 1) * width] != new[i * width..(i + 1) * width] {
+                positions.push(i as u32);
+            }
+        }
+        let overwrite = kind == ChangeKind::Overwrite;
+        let mut values = Vec::with_capacity(out.positions.len());
+        for &p in &out.positions {
+            // In bounds: every position is below n.
+            let x = T::load(std::slice::from_raw_parts(pa.add(p as usize * width), width));
+            let y = T::load(std::slice::from_raw_parts(pb.add(p as usize * width), width));
+            values.push(if overwrite { y } else { x ^ y });
+        }
+        out.values = values;
+    }
+}
+
 /// Find the words that differ between `old` and `new` (same length, a
 /// multiple of `width`).
 pub fn find_changes(old: &[u8], new: &[u8], width: usize, kind: ChangeKind) -> Result<SparseChanges> {
@@ -255,6 +387,15 @@ pub fn find_changes(old: &[u8], new: &[u8], width: usize, kind: ChangeKind) -> R
         return Err(Error::Invalid(format!("a chunk holds at most {} words", u32::MAX)));
     }
     let mut out = SparseChanges::default();
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // Safety: the CPU supports AVX2 (checked just above).
+        #[allow(unsafe_code)]
+        unsafe {
+            scan_avx2::scan(old, new, width, kind, &mut out)
+        };
+        return Ok(out);
+    }
     match width {
         1 => scan::<u8>(old, new, kind, &mut out),
         2 => scan::<u16>(old, new, kind, &mut out),
@@ -581,7 +722,7 @@ impl DecodedChunk {
                 ChangeKind::Xor => old ^ value,
                 ChangeKind::Overwrite => value,
             };
-            word.copy_from_slice(&new.to_le_bytes()[..width]);
+            write_word(word, new);
             written.push(WordChange { element, old, new });
         };
         match &self.inner {
@@ -676,7 +817,7 @@ pub fn apply_changes(target: &mut [u8], width: usize, kind: ChangeKind, changes:
             ChangeKind::Xor => read_word(word) ^ v,
             ChangeKind::Overwrite => v,
         };
-        word.copy_from_slice(&new.to_le_bytes()[..width]);
+        write_word(word, new);
     }
     Ok(())
 }
