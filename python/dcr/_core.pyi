@@ -39,6 +39,8 @@ __all__ = [
     "publish_delta",
     "receive_delta",
     "relay_main",
+    "scan_and_project",
+    "sort_records",
     "TransportError",
     "objstore_gc",
     "objstore_publish",
@@ -124,6 +126,18 @@ def block_digest(
     canonical_strides: list[int],
 ) -> bytes: ...
 def moved_digest(dtype: str, elements: bytes, old: bytes, new: bytes) -> bytes: ...
+def scan_and_project(
+    old: _Span,
+    new: _Span,
+    dtype: str,
+    first_local: int,
+    tensors: list[int],
+    local_offsets: list[int],
+    shapes: list[list[int]],
+    canonical_offsets: list[int],
+    canonical_strides: list[list[int]],
+) -> tuple[bytes, list[tuple[int, bytes]], bytes, bytes]: ...
+def sort_records(parts: list[bytes], chunk_words: list[int], first_chunk: list[int]) -> tuple[bytes, bytes]: ...
 
 @final
 class ComposedDelta:

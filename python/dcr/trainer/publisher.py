@@ -263,7 +263,7 @@ class ShardedPublisher:
 
     # ------------------------------------------------------------------ scan
 
-    def _scan(self, name: str, t: torch.Tensor, lanes: np.ndarray) -> list[np.ndarray]:
+    def _scan(self, name: str, t: torch.Tensor, lanes: np.ndarray) -> list[bytes]:
         """Scan one local tensor block by block against its baseline. Moves
         ``lanes`` (this rank's digest moves per canonical tensor) by the
         changes, keeps the local changes for the commit, and returns the
@@ -290,7 +290,7 @@ class ShardedPublisher:
                     local_changes.append((lo, np.frombuffer(pos_b, dtype="<u4"),
                                           np.frombuffer(xor_b, dtype="<u8").astype(narrow)))
                 if rec_b:
-                    records.append(np.frombuffer(rec_b, dtype=_RECORD))
+                    records.append(rec_b)
                 continue
             pos, xor = self._changed_words(old, new, info.width)
             if pos.size == 0:
@@ -309,7 +309,7 @@ class ShardedPublisher:
                                                            (o ^ x).astype("<u8").tobytes()))
                 rec = np.empty(e.size, dtype=_RECORD)
                 rec["tensor"], rec["element"], rec["xor"] = c, e, x
-                records.append(rec)
+                records.append(rec.tobytes())
         self._local_changes[name] = local_changes
         return records
 
@@ -358,7 +358,7 @@ class ShardedPublisher:
         self._local_changes: dict[str, list[tuple[int, np.ndarray, np.ndarray]]] = {}
         lanes = np.zeros((len(self.names), 4), dtype=np.uint32)
         parts = [r for name, t in local.items() for r in self._scan(name, t, lanes)]
-        records, gid = self._sorted(b"".join(p.tobytes() for p in parts))
+        records, gid = self._sorted(parts)
         del parts
         change_bytes = records.nbytes + gid.nbytes + sum(
             p.nbytes + x.nbytes for v in self._local_changes.values() for _, p, x in v)
@@ -435,9 +435,9 @@ class ShardedPublisher:
             report.committed = True
         return report
 
-    def _sorted(self, records: bytes) -> tuple[np.ndarray, np.ndarray]:
+    def _sorted(self, parts: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
         """Packed records sorted by (global chunk id, element), and their ids."""
-        rec, gid = _core.sort_records(records, self.chunk_words, self.first_chunk[:-1].tolist())
+        rec, gid = _core.sort_records(parts, self.chunk_words, self.first_chunk[:-1].tolist())
         return np.frombuffer(rec, dtype=_RECORD), np.frombuffer(gid, dtype="<u8").astype(np.int64)
 
     def _round(self, composed: Any, rec: np.ndarray, gid: np.ndarray, seq: int
@@ -456,7 +456,7 @@ class ShardedPublisher:
         recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
         dist.all_to_all_single(recv, send, recv_sizes.tolist(), send_sizes.tolist(), group=self.group)
         del send, rec
-        got, got_gid = self._sorted(recv.numpy().tobytes())
+        got, got_gid = self._sorted([recv.numpy().tobytes()])
         del recv
 
         # Chunks with changes, numbered in canonical (= chunk id) order.

@@ -175,37 +175,50 @@ pub fn scan_and_project(old: &[u8], new: &[u8], width: usize, first_local: u64, 
 /// packed little-endian tensor u32, element u64, XOR word u64.
 pub const RECORD_BYTES: usize = 20;
 
-/// Sort packed change records by (global chunk id, element) on all cores and
-/// return them with their chunk ids. Chunk `c` of tensor `t` has id
-/// `first_chunk[t] + c`; `chunk_words[t]` is the tensor's chunk size.
-pub fn sort_records(records: &[u8], chunk_words: &[u64], first_chunk: &[u64]) -> Result<(Vec<u8>, Vec<u64>)> {
+/// Sort packed change records (the concatenation of `parts`) by (global
+/// chunk id, element) and return them with their chunk ids. Chunk `c` of
+/// tensor `t` has id `first_chunk[t] + c`; `chunk_words[t]` is the tensor's
+/// chunk size. Records already in order (one scan's runs usually are) are
+/// only concatenated.
+pub fn sort_records(parts: &[&[u8]], chunk_words: &[u64], first_chunk: &[u64]) -> Result<(Vec<u8>, Vec<u64>)> {
     use rayon::prelude::*;
-    if records.len() % RECORD_BYTES != 0 {
-        return Err(Error::Invalid(format!("{} bytes is not a whole number of {RECORD_BYTES}-byte records", records.len())));
+    let total: usize = parts.iter().map(|p| p.len()).sum();
+    if let Some(p) = parts.iter().find(|p| p.len() % RECORD_BYTES != 0) {
+        return Err(Error::Invalid(format!("{} bytes is not a whole number of {RECORD_BYTES}-byte records", p.len())));
     }
-    let n = records.len() / RECORD_BYTES;
-    let mut keyed: Vec<(u64, u64, u32)> = (0..n)
-        .into_par_iter()
-        .map(|i| {
-            let r = &records[i * RECORD_BYTES..(i + 1) * RECORD_BYTES];
-            let t = u32::from_le_bytes(r[..4].try_into().expect("4 bytes"));
-            let e = u64::from_le_bytes(r[4..12].try_into().expect("8 bytes"));
-            let (Some(&k), Some(&f)) = (chunk_words.get(t as usize), first_chunk.get(t as usize)) else {
-                return Err(Error::Invalid(format!("record {i} names tensor {t} of {}", chunk_words.len())));
-            };
-            Ok((f + e / k.max(1), e, i as u32))
-        })
-        .collect::<Result<_>>()?;
-    // Runs from one scan usually arrive in order already.
-    if !keyed.par_windows(2).all(|w| w[0] <= w[1]) {
-        keyed.par_sort_unstable();
-    } else {
-        return Ok((records.to_vec(), keyed.into_iter().map(|(g, _, _)| g).collect()));
+    let key = |r: &[u8]| -> Result<(u64, u64)> {
+        let t = u32::from_le_bytes(r[..4].try_into().expect("4 bytes"));
+        let e = u64::from_le_bytes(r[4..12].try_into().expect("8 bytes"));
+        match (chunk_words.get(t as usize), first_chunk.get(t as usize)) {
+            (Some(&k), Some(&f)) => Ok((f + e / k.max(1), e)),
+            _ => Err(Error::Invalid(format!("a record names tensor {t} of {}", chunk_words.len()))),
+        }
+    };
+    let mut gids = Vec::with_capacity(total / RECORD_BYTES);
+    let mut sorted = true;
+    let mut prev = (0u64, 0u64);
+    for p in parts {
+        for r in p.chunks_exact(RECORD_BYTES) {
+            let k = key(r)?;
+            sorted &= gids.is_empty() || prev <= k;
+            prev = k;
+            gids.push(k.0);
+        }
     }
-    let mut out = vec![0u8; records.len()];
-    out.par_chunks_mut(RECORD_BYTES).zip(keyed.par_iter()).for_each(|(dst, &(_, _, i))| {
-        dst.copy_from_slice(&records[i as usize * RECORD_BYTES..(i as usize + 1) * RECORD_BYTES]);
-    });
+    let mut out = Vec::with_capacity(total);
+    if sorted {
+        for p in parts {
+            out.extend_from_slice(p);
+        }
+        return Ok((out, gids));
+    }
+    let all: Vec<&[u8]> = parts.iter().flat_map(|p| p.chunks_exact(RECORD_BYTES)).collect();
+    let mut keyed: Vec<(u64, u64, u32)> = all.iter().enumerate().map(|(i, r)| key(r).map(|(g, e)| (g, e, i as u32))).collect::<Result<_>>()?;
+    keyed.par_sort_unstable();
+    for &(g, _, i) in &keyed {
+        out.extend_from_slice(all[i as usize]);
+        let _ = g;
+    }
     Ok((out, keyed.into_iter().map(|(g, _, _)| g).collect()))
 }
 

@@ -136,11 +136,18 @@ pub fn scan_and_project<'py>(
     Ok((PyBytes::new(py, &records), moved, PyBytes::new(py, &local_pos), PyBytes::new(py, &local_xor)))
 }
 
-/// Sort packed change records (see `scan_and_project`) by (global chunk id,
-/// element); returns the sorted records and their chunk ids (uint64 LE).
+/// Sort packed change records (the concatenation of `parts`, see
+/// `scan_and_project`) by (global chunk id, element); returns the sorted
+/// records and their chunk ids (uint64 LE).
 #[pyfunction]
-pub fn sort_records<'py>(py: Python<'py>, records: &[u8], chunk_words: Vec<u64>, first_chunk: Vec<u64>) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
-    let (sorted, gids) = py.detach(|| sharded::sort_records(records, &chunk_words, &first_chunk)).map_err(to_py)?;
+pub fn sort_records<'py>(
+    py: Python<'py>,
+    parts: Vec<Bound<'py, PyBytes>>,
+    chunk_words: Vec<u64>,
+    first_chunk: Vec<u64>,
+) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+    let views: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
+    let (sorted, gids) = py.detach(|| sharded::sort_records(&views, &chunk_words, &first_chunk)).map_err(to_py)?;
     let g: Vec<u8> = gids.iter().flat_map(|g| g.to_le_bytes()).collect();
     Ok((PyBytes::new(py, &sorted), PyBytes::new(py, &g)))
 }
