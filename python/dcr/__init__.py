@@ -65,6 +65,7 @@ __all__ = [
     "diff_files",
     "diff_tensors",
     "digest_tensors",
+    "tensor_digests",
     "file_digest",
     "inspect_file",
     "receiver_status",
@@ -83,11 +84,14 @@ def diff_tensors(
     base_version: int = 0,
     target_version: int = 1,
     threads: int | None = None,
+    base_digests: Mapping[str, bytes] | None = None,
 ) -> tuple[bytes, dict[str, Any]]:
     """Delta from ``old`` to ``new`` (same names, dtypes and shapes).
 
     Returns the delta bytes and its statistics. The GIL is released while the
-    core works; the tensors are read in place.
+    core works; the tensors are read in place. ``base_digests``: the tensor
+    digests of ``old`` when known (:func:`tensor_digests` of the last
+    committed version): then only the change scan reads the unchanged bytes.
     """
     if set(old) != set(new):
         missing = sorted(set(old) ^ set(new))[:5]
@@ -112,23 +116,50 @@ def diff_tensors(
         base_version=base_version,
         target_version=target_version,
         threads=threads,
+        base_digests=_digest_list(base_digests, names),
     )
     del olds, news  # owners stay referenced until here
     return delta, stats
 
 
-def apply_tensors(delta: bytes, tensors: Mapping[str, Any], *, threads: int | None = None) -> dict[str, Any]:
+def apply_tensors(delta: bytes, tensors: Mapping[str, Any], *, threads: int | None = None,
+                  base_digests: Mapping[str, bytes] | None = None) -> dict[str, Any]:
     """Apply ``delta`` in place to ``tensors`` (writable, contiguous).
 
     Refused before any byte changes when the tensors are not the delta's base;
     verified against the delta's target digests afterwards (and rolled back on
-    a mismatch).
+    a mismatch). ``base_digests``: the tensors' digests when the caller
+    vouches for them (kept from its last verified version and nothing else
+    wrote the tensors since): the base check then reads no tensor bytes and
+    the target digests are verified from the words the delta writes.
     """
     spans = _buffers.spans_of(tensors, writable=True)
     names, dtypes, shapes, ptrs = _buffers.layout_args(spans)
-    result = _core.apply_buffers(bytes(delta), names, dtypes, shapes, ptrs, threads=threads)
+    result = _core.apply_buffers(bytes(delta), names, dtypes, shapes, ptrs, threads=threads,
+                                 base_digests=_digest_list(base_digests, names))
     del spans
     return result
+
+
+def _digest_list(digests: Mapping[str, bytes] | None, names: list[str]) -> list[bytes] | None:
+    if digests is None:
+        return None
+    missing = [n for n in names if n not in digests]
+    if missing:
+        raise LayoutMismatchError(f"base_digests lacks {len(missing)} tensors, e.g. {missing[:3]}; "
+                                  "pass dcr.tensor_digests() of the same state dict")
+    return [bytes(digests[n]) for n in names]
+
+
+def tensor_digests(tensors: Mapping[str, Any]) -> dict[str, bytes]:
+    """Each tensor's digest (16 bytes; they add up over elements, see
+    docs/format.md). Keep them with a committed version to diff or apply the
+    next delta without digesting the whole checkpoint again."""
+    spans = _buffers.spans_of(tensors)
+    names, dtypes, shapes, ptrs = _buffers.layout_args(spans)
+    out = _core.tensor_digest_buffers(names, dtypes, shapes, ptrs)
+    del spans
+    return dict(zip(names, out))
 
 
 def digest_tensors(tensors: Mapping[str, Any]) -> str:

@@ -41,6 +41,7 @@ __all__ = [
     "relay_main",
     "scan_and_project",
     "sort_records",
+    "tensor_digest_buffers",
     "TransportError",
     "objstore_gc",
     "objstore_publish",
@@ -104,6 +105,7 @@ def diff_buffers(
     base_version: int = 0,
     target_version: int = 1,
     threads: int | None = None,
+    base_digests: list[bytes] | None = None,
 ) -> tuple[bytes, dict[str, Any]]: ...
 def apply_buffers(
     delta: bytes,
@@ -113,8 +115,12 @@ def apply_buffers(
     targets: list[_Span],
     *,
     threads: int | None = None,
+    base_digests: list[bytes] | None = None,
 ) -> dict[str, Any]: ...
 def digest_buffers(names: list[str], dtypes: list[str], shapes: list[list[int]], bufs: list[_Span]) -> str: ...
+def tensor_digest_buffers(
+    names: list[str], dtypes: list[str], shapes: list[list[int]], bufs: list[_Span]
+) -> list[bytes]: ...
 def find_changes(old: _Span, new: _Span, width: int, kind: str = "xor") -> tuple[bytes, bytes]: ...
 def apply_changes(target: _Span, width: int, positions: bytes, values: bytes, kind: str = "xor") -> None: ...
 def block_digest(

@@ -265,7 +265,7 @@ fn layout_of(names: Vec<String>, dtypes: Vec<String>, shapes: Vec<Vec<u64>>) -> 
 
 /// Diff two lists of tensor buffers (uint8 views) into delta bytes.
 #[pyfunction]
-#[pyo3(signature = (names, dtypes, shapes, old, new, *, chunk_bytes=delta::DEFAULT_CHUNK_BYTES, kind="xor", zstd_level=1, mode="free", base_version=0, target_version=1, threads=None))]
+#[pyo3(signature = (names, dtypes, shapes, old, new, *, chunk_bytes=delta::DEFAULT_CHUNK_BYTES, kind="xor", zstd_level=1, mode="free", base_version=0, target_version=1, threads=None, base_digests=None))]
 #[allow(clippy::too_many_arguments)]
 fn diff_buffers<'py>(
     py: Python<'py>,
@@ -281,8 +281,10 @@ fn diff_buffers<'py>(
     base_version: u64,
     target_version: u64,
     threads: Option<usize>,
+    base_digests: Option<Vec<Vec<u8>>>,
 ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyDict>)> {
     let (layout, order) = layout_of(names, dtypes, shapes)?;
+    let known = known_digests(base_digests, &order)?;
     check_spans(&old, false)?;
     check_spans(&new, false)?;
     let opts = DiffOptions { chunk_bytes, kind: parse_kind(kind)?, zstd_level, mode: parse_mode(mode)?, base_version, target_version, dense: false };
@@ -294,7 +296,7 @@ fn diff_buffers<'py>(
         .detach(|| {
             pool.install(|| {
                 let mut out = Vec::new();
-                let s = delta::diff(&layout, &o, &n, &opts, &mut |b| { out.extend_from_slice(b); Ok(()) }, &mut |_, _| {})?;
+                let s = delta::diff_from(&layout, &o, &n, known.as_deref(), &opts, &mut |b| { out.extend_from_slice(b); Ok(()) }, &mut |_, _| {})?;
                 Ok((out, s))
             })
         })
@@ -304,7 +306,8 @@ fn diff_buffers<'py>(
 
 /// Apply delta bytes in place to a list of writable tensor buffers.
 #[pyfunction]
-#[pyo3(signature = (delta, names, dtypes, shapes, targets, *, threads=None))]
+#[pyo3(signature = (delta, names, dtypes, shapes, targets, *, threads=None, base_digests=None))]
+#[allow(clippy::too_many_arguments)]
 fn apply_buffers<'py>(
     py: Python<'py>,
     delta: &[u8],
@@ -313,8 +316,10 @@ fn apply_buffers<'py>(
     shapes: Vec<Vec<u64>>,
     targets: Vec<Span>,
     threads: Option<usize>,
+    base_digests: Option<Vec<Vec<u8>>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let (layout, order) = layout_of(names, dtypes, shapes)?;
+    let known = known_digests(base_digests, &order)?;
     check_spans(&targets, true)?;
     let pool = pool(threads)?;
     let d = delta;
@@ -325,9 +330,38 @@ fn apply_buffers<'py>(
         sorted.push(slots[i].take().expect("each index once"));
     }
     let outcome = py
-        .detach(|| pool.install(|| delta::apply(&delta::read_delta(d)?, &layout, &mut sorted)))
+        .detach(|| pool.install(|| delta::apply_from(&delta::read_delta(d)?, &layout, &mut sorted, known.as_deref())))
         .map_err(to_py)?;
     outcome_dict(py, &outcome)
+}
+
+/// Tensor digests given in the caller's order, put in canonical order.
+fn known_digests(digests: Option<Vec<Vec<u8>>>, order: &[usize]) -> PyResult<Option<Vec<dcr_core::checkpoint::Digest>>> {
+    let Some(d) = digests else { return Ok(None) };
+    if d.len() != order.len() {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!("{} base digests for {} tensors", d.len(), order.len())));
+    }
+    let d = d
+        .iter()
+        .map(|x| x.as_slice().try_into().map_err(|_| pyo3::exceptions::PyValueError::new_err(format!("a tensor digest is 16 bytes, got {}", x.len()))))
+        .collect::<PyResult<Vec<dcr_core::checkpoint::Digest>>>()?;
+    Ok(Some(order.iter().map(|&i| d[i]).collect()))
+}
+
+/// Digest (16 bytes) of each tensor buffer, in the given order.
+#[pyfunction]
+fn tensor_digest_buffers(py: Python<'_>, names: Vec<String>, dtypes: Vec<String>, shapes: Vec<Vec<u64>>, bufs: Vec<Span>) -> PyResult<Vec<Vec<u8>>> {
+    let (layout, order) = layout_of(names, dtypes, shapes)?;
+    check_spans(&bufs, false)?;
+    let s = slices(&bufs);
+    let sorted: Vec<&[u8]> = order.iter().map(|&i| s[i]).collect();
+    layout.check_buffers(sorted.iter().map(|b| b.len())).map_err(to_py)?;
+    let d = py.detach(|| layout.tensor_digests(&sorted));
+    let mut out = vec![Vec::new(); d.len()];
+    for (k, &i) in order.iter().enumerate() {
+        out[i] = d[k].to_vec();
+    }
+    Ok(out)
 }
 
 /// Checkpoint digest (hex) of a list of tensor buffers.
@@ -740,6 +774,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(diff_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(apply_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(digest_buffers, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor_digest_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(find_changes, m)?)?;
     m.add_function(wrap_pyfunction!(apply_changes, m)?)?;
     m.add_function(wrap_pyfunction!(refit_file, m)?)?;
