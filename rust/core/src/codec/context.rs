@@ -385,6 +385,25 @@ pub fn decode(
     }
 }
 
+/// The element-at-a-time decoder: per context, a countdown of the elements
+/// to skip before its next change. Portable; the test oracle of the fast
+/// decoder.
+pub fn decode_reference(
+    payload: &[u8],
+    old: &[u8],
+    model: &ContextModel,
+    n_changed: u32,
+    kind: ChangeKind,
+    context: &str,
+) -> Result<SparseChanges> {
+    match model.width {
+        1 => decode_words::<u8>(payload, old, model, n_changed, kind, context),
+        2 => decode_words::<u16>(payload, old, model, n_changed, kind, context),
+        4 => decode_words::<u32>(payload, old, model, n_changed, kind, context),
+        _ => decode_words::<u64>(payload, old, model, n_changed, kind, context),
+    }
+}
+
 /// A context that has no (more) changes never counts down to zero.
 const NEVER: u64 = u64::MAX;
 
