@@ -22,39 +22,47 @@ impl Default for RangeEncoder {
 }
 
 impl RangeEncoder {
+    #[inline(always)]
     fn shift_low(&mut self) {
         if (self.low as u32) < 0xff00_0000 || (self.low >> 32) != 0 {
+            // The cached byte, then the pending 0xff bytes, each plus the carry.
             let carry = (self.low >> 32) as u8;
-            let mut c = self.cache;
-            loop {
-                self.out.push(c.wrapping_add(carry));
-                c = 0xff;
-                self.cache_size -= 1;
-                if self.cache_size == 0 {
-                    break;
-                }
+            self.out.push(self.cache.wrapping_add(carry));
+            if self.cache_size > 1 {
+                self.flush_pending(carry);
             }
+            self.cache_size = 0;
             self.cache = ((self.low >> 24) & 0xff) as u8;
         }
         self.cache_size += 1;
         self.low = (self.low & 0x00ff_ffff) << 8;
     }
 
+    #[cold]
+    fn flush_pending(&mut self, carry: u8) {
+        for _ in 1..self.cache_size {
+            self.out.push(0xffu8.wrapping_add(carry));
+        }
+    }
+
     #[inline(always)]
     pub fn bit(&mut self, prob: &mut u16, bit: bool) {
-        let bound = (self.range >> PROB_BITS) * u32::from(*prob);
+        let p = u32::from(*prob);
+        let bound = (self.range >> PROB_BITS) * p;
         if !bit {
             self.range = bound;
-            *prob += ((1 << PROB_BITS) - *prob) >> MOVE_BITS;
+            *prob = (p + (((1 << PROB_BITS) - p) >> MOVE_BITS)) as u16;
         } else {
             self.low += u64::from(bound);
             self.range -= bound;
-            *prob -= *prob >> MOVE_BITS;
+            *prob = (p - (p >> MOVE_BITS)) as u16;
         }
-        while self.range < TOP {
+        // One step always suffices (see `RangeDecoder::bit`).
+        if self.range < TOP {
             self.range <<= 8;
             self.shift_low();
         }
+        debug_assert!(self.range >= TOP);
     }
 
     /// `bits` low bits of `value`, each with probability one half.
@@ -64,7 +72,7 @@ impl RangeEncoder {
             if (value >> i) & 1 == 1 {
                 self.low += u64::from(self.range);
             }
-            while self.range < TOP {
+            if self.range < TOP {
                 self.range <<= 8;
                 self.shift_low();
             }
@@ -109,23 +117,35 @@ impl<'a> RangeDecoder<'a> {
         self.pos > self.buf.len()
     }
 
+    /// At most one byte is ever needed: before a decision `range >= 2^24`,
+    /// and a probability stays within 31..=2017 (of 2048) under the update
+    /// rule, so both outcomes leave `range >= (2^24 >> 11) * 31 > 2^16`; a
+    /// direct bit halves the range, leaving `>= 2^23`.
     #[inline(always)]
-    pub fn bit(&mut self, prob: &mut u16) -> bool {
-        let bound = (self.range >> PROB_BITS) * u32::from(*prob);
-        let bit = if self.code < bound {
-            self.range = bound;
-            *prob += ((1 << PROB_BITS) - *prob) >> MOVE_BITS;
-            false
-        } else {
-            self.code -= bound;
-            self.range -= bound;
-            *prob -= *prob >> MOVE_BITS;
-            true
-        };
-        while self.range < TOP {
+    fn normalize(&mut self) {
+        if self.range < TOP {
             self.range <<= 8;
             self.code = (self.code << 8) | self.next_byte();
         }
+        debug_assert!(self.range >= TOP);
+    }
+
+    /// Branch-free: both outcomes are computed and one is selected, since
+    /// the decisions (signs above all) are close to unpredictable.
+    #[inline(always)]
+    pub fn bit(&mut self, prob: &mut u16) -> bool {
+        let p = u32::from(*prob);
+        let bound = (self.range >> PROB_BITS) * p;
+        let bit = self.code >= bound;
+        let (range, code, p) = if bit {
+            (self.range - bound, self.code - bound, p - (p >> MOVE_BITS))
+        } else {
+            (bound, self.code, p + (((1 << PROB_BITS) - p) >> MOVE_BITS))
+        };
+        self.range = range;
+        self.code = code;
+        *prob = p as u16;
+        self.normalize();
         bit
     }
 
@@ -140,10 +160,7 @@ impl<'a> RangeDecoder<'a> {
                 0
             };
             v = (v << 1) | b;
-            while self.range < TOP {
-                self.range <<= 8;
-                self.code = (self.code << 8) | self.next_byte();
-            }
+            self.normalize();
         }
         v
     }
