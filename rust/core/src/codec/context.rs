@@ -29,8 +29,8 @@ use safetensors::Dtype;
 pub struct ContextModel {
     width: usize,
     /// Context = (word >> shift) & mask.
-    shift: u32,
-    mask: u64,
+    pub(super) shift: u32,
+    pub(super) mask: u64,
     /// Sign-magnitude floating point: ordinals flip the magnitude of
     /// negative values so that adjacent values differ by one.
     float: bool,
@@ -121,6 +121,7 @@ impl StepModel {
         StepModel { sign: vec![[PROB_INIT; 2]; contexts], magnitude: vec![[PROB_INIT; UNARY]; contexts] }
     }
 
+    #[inline(always)]
     fn encode(&mut self, rc: &mut RangeEncoder, ctx: usize, old_sign: usize, step: i64) {
         rc.bit(&mut self.sign[ctx][old_sign], step < 0);
         let v = step.unsigned_abs() - 1; // steps are never 0
@@ -137,8 +138,9 @@ impl StepModel {
         rc.direct(r, nbits - 1);
     }
 
+    #[inline(always)]
     fn decode(&mut self, rc: &mut RangeDecoder<'_>, ctx: usize, old_sign: usize) -> Option<i64> {
-        let negative = rc.bit(&mut self.sign[ctx][old_sign]);
+        let negative = rc.bit_unpredictable(&mut self.sign[ctx][old_sign]);
         let mut v = 0u64;
         while (v as usize) < UNARY && rc.bit(&mut self.magnitude[ctx][v as usize]) {
             v += 1;
@@ -198,8 +200,22 @@ impl<'a> BitReader<'a> {
     fn new(buf: &'a [u8]) -> Self {
         BitReader { buf, pos: 0, acc: 0, n: 0 }
     }
+    /// Top up `acc` to more than 56 bits while the buffer lasts. Bits of
+    /// `acc` above `n` may hold the bytes that follow (never anything
+    /// else), so OR-ing those bytes in again leaves them unchanged.
     #[inline(always)]
     fn refill(&mut self) {
+        if self.n > 56 {
+            return;
+        }
+        if let Some(next) = self.buf.get(self.pos..self.pos + 8) {
+            let bytes = u64::from_le_bytes(next.try_into().expect("8 bytes"));
+            self.acc |= bytes << self.n;
+            let take = (64 - self.n) / 8;
+            self.pos += take as usize;
+            self.n += take * 8;
+            return;
+        }
         while self.n <= 56 && self.pos < self.buf.len() {
             self.acc |= u64::from(self.buf[self.pos]) << self.n;
             self.pos += 1;
@@ -239,6 +255,16 @@ fn put_rice(w: &mut BitWriter, g: u64, k: u32) {
 
 #[inline(always)]
 fn get_rice(r: &mut BitReader<'_>, k: u32) -> Option<u64> {
+    // Fast path: the unary part and its terminating zero are among the
+    // buffered bits.
+    r.refill();
+    let ones = (!r.acc).trailing_zeros();
+    if ones < r.n && (ones as u64) < RICE_ESCAPE {
+        r.acc >>= ones + 1;
+        r.n -= ones + 1;
+        let low = if k > 0 { r.get(k)? } else { 0 };
+        return Some((u64::from(ones) << k) | low);
+    }
     let mut q = 0u64;
     while r.get(1)? == 1 {
         q += 1;
@@ -369,6 +395,11 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
 
 /// Decode a context-coded payload against the chunk's base bytes `old`.
 /// Returns the changes as XOR masks or new words (by `kind`).
+///
+/// On x86-64 with AVX2 and a fast BMI2, words of up to 4 bytes with up to
+/// 256 contexts are decoded by `decode_expanded`; everything else (8-byte
+/// words, other CPUs) by the element-at-a-time `decode_reference`. Both
+/// accept and refuse the same payloads and return the same changes.
 pub fn decode(
     payload: &[u8],
     old: &[u8],
@@ -377,12 +408,16 @@ pub fn decode(
     kind: ChangeKind,
     context: &str,
 ) -> Result<SparseChanges> {
-    match model.width {
-        1 => decode_words::<u8>(payload, old, model, n_changed, kind, context),
-        2 => decode_words::<u16>(payload, old, model, n_changed, kind, context),
-        4 => decode_words::<u32>(payload, old, model, n_changed, kind, context),
-        _ => decode_words::<u64>(payload, old, model, n_changed, kind, context),
+    #[cfg(target_arch = "x86_64")]
+    if model.contexts() <= 256 && x86::available() {
+        match model.width {
+            1 => return decode_expanded::<u8>(payload, old, model, n_changed, kind, context),
+            2 => return decode_expanded::<u16>(payload, old, model, n_changed, kind, context),
+            4 => return decode_expanded::<u32>(payload, old, model, n_changed, kind, context),
+            _ => {}
+        }
     }
+    decode_reference(payload, old, model, n_changed, kind, context)
 }
 
 /// The element-at-a-time decoder: per context, a countdown of the elements
@@ -404,6 +439,65 @@ pub fn decode_reference(
     }
 }
 
+/// One listed context of a payload: its position stream is
+/// `body[start..end]`.
+struct Listed {
+    ctx: usize,
+    changes: u64,
+    mode: u8,
+    k: u32,
+    start: usize,
+    end: usize,
+}
+
+/// A payload's streams and context table, checked for consistency with the
+/// chunk (n elements, m changes) but not yet decoded.
+struct Parsed {
+    listed: Vec<Listed>,
+    body: Vec<u8>,
+    values: Vec<u8>,
+}
+
+fn parse(payload: &[u8], n: usize, m: usize, nctx: usize, context: &str) -> Result<Parsed> {
+    let bad = |detail: &str| Error::corrupt(context, detail.to_string());
+    let mut pos = 0usize;
+    let count = get_varint(payload, &mut pos, 10).ok_or_else(|| bad("context count missing"))? as usize;
+    if count > nctx || count > m {
+        return Err(bad("more contexts listed than exist or changed"));
+    }
+    let mut r = StreamReader::new(&payload[pos..], context);
+    let table = r.next("context table", 0, count * 32)?;
+    let body = r.next("positions", 0, n.div_ceil(8) + m * 9 + count)?;
+    let values = r.next("ulp steps", 5, m * 24 + 5)?;
+    r.finish()?;
+
+    let mut listed = Vec::with_capacity(count);
+    let (mut tpos, mut bpos, mut ctx, mut total) = (0usize, 0usize, 0usize, 0u64);
+    for i in 0..count {
+        let delta = get_varint(&table, &mut tpos, 10).ok_or_else(|| bad("context table truncated"))? as usize;
+        ctx = ctx.checked_add(delta).filter(|&c| c < nctx && (i == 0 || delta > 0)).ok_or_else(|| bad("context ids out of order"))?;
+        let changes = get_varint(&table, &mut tpos, 10).ok_or_else(|| bad("context table truncated"))?;
+        let mode = *table.get(tpos).ok_or_else(|| bad("context table truncated"))?;
+        let k = u32::from(*table.get(tpos + 1).ok_or_else(|| bad("context table truncated"))?);
+        tpos += 2;
+        let len = get_varint(&table, &mut tpos, 10).ok_or_else(|| bad("context table truncated"))? as usize;
+        let end = bpos.checked_add(len).filter(|&e| e <= body.len()).ok_or_else(|| bad("position stream overruns"))?;
+        if changes == 0 || changes > m as u64 || k > 31 {
+            return Err(bad("bad context entry"));
+        }
+        if mode != MODE_RICE && mode != MODE_FLAGS {
+            return Err(Error::UnknownCode { what: "context position mode", code: mode, context: context.into() });
+        }
+        total += changes;
+        listed.push(Listed { ctx, changes, mode, k, start: bpos, end });
+        bpos = end;
+    }
+    if tpos != table.len() || bpos != body.len() || total != m as u64 {
+        return Err(bad("context table does not match the chunk's change count"));
+    }
+    Ok(Parsed { listed, body, values })
+}
+
 /// A context that has no (more) changes never counts down to zero.
 const NEVER: u64 = u64::MAX;
 
@@ -416,20 +510,10 @@ fn decode_words<T: Word>(
     context: &str,
 ) -> Result<SparseChanges> {
     let w = T::BYTES;
-    let n = old.len() / w;
     let m = n_changed as usize;
     let bad = |detail: &str| Error::corrupt(context, detail.to_string());
-    let mut pos = 0usize;
-    let listed = get_varint(payload, &mut pos, 10).ok_or_else(|| bad("context count missing"))? as usize;
     let nctx = model.contexts();
-    if listed > nctx || listed > m {
-        return Err(bad("more contexts listed than exist or changed"));
-    }
-    let mut r = StreamReader::new(&payload[pos..], context);
-    let table = r.next("context table", 0, listed * 32)?;
-    let body = r.next("positions", 0, n.div_ceil(8) + m * 9 + listed)?;
-    let values = r.next("ulp steps", 5, m * 24 + 5)?;
-    r.finish()?;
+    let parsed = parse(payload, old.len() / w, m, nctx, context)?;
 
     // Per context: elements to skip before its next change (NEVER when it
     // has none left), its bit reader, Rice parameter, flag mode, changes left.
@@ -438,42 +522,21 @@ fn decode_words<T: Word>(
     let mut rice_k = vec![0u32; nctx];
     let mut flags = vec![false; nctx];
     let mut remaining = vec![0u64; nctx];
-    let (mut tpos, mut bpos, mut ctx, mut total) = (0usize, 0usize, 0usize, 0u64);
-    for i in 0..listed {
-        let delta = get_varint(&table, &mut tpos, 10).ok_or_else(|| bad("context table truncated"))? as usize;
-        ctx = ctx.checked_add(delta).filter(|&c| c < nctx && (i == 0 || delta > 0)).ok_or_else(|| bad("context ids out of order"))?;
-        let m_c = get_varint(&table, &mut tpos, 10).ok_or_else(|| bad("context table truncated"))?;
-        let mode = *table.get(tpos).ok_or_else(|| bad("context table truncated"))?;
-        let k = u32::from(*table.get(tpos + 1).ok_or_else(|| bad("context table truncated"))?);
-        tpos += 2;
-        let len = get_varint(&table, &mut tpos, 10).ok_or_else(|| bad("context table truncated"))? as usize;
-        let end = bpos.checked_add(len).filter(|&e| e <= body.len()).ok_or_else(|| bad("position stream overruns"))?;
-        let mut reader = BitReader::new(&body[bpos..end]);
-        bpos = end;
-        if m_c == 0 || m_c > m as u64 || k > 31 {
-            return Err(bad("bad context entry"));
+    for l in &parsed.listed {
+        let mut reader = BitReader::new(&parsed.body[l.start..l.end]);
+        remaining[l.ctx] = l.changes;
+        if l.mode == MODE_RICE {
+            countdown[l.ctx] = get_rice(&mut reader, l.k).ok_or_else(|| bad("position stream ends early"))?;
+            rice_k[l.ctx] = l.k;
+        } else {
+            countdown[l.ctx] = 0;
+            flags[l.ctx] = true;
         }
-        total += m_c;
-        remaining[ctx] = m_c;
-        match mode {
-            MODE_RICE => {
-                countdown[ctx] = get_rice(&mut reader, k).ok_or_else(|| bad("position stream ends early"))?;
-                rice_k[ctx] = k;
-            }
-            MODE_FLAGS => {
-                countdown[ctx] = 0;
-                flags[ctx] = true;
-            }
-            code => return Err(Error::UnknownCode { what: "context position mode", code, context: context.into() }),
-        }
-        readers[ctx] = Some(reader);
-    }
-    if tpos != table.len() || bpos != body.len() || total != m as u64 {
-        return Err(bad("context table does not match the chunk's change count"));
+        readers[l.ctx] = Some(reader);
     }
     let mut out = SparseChanges { positions: Vec::with_capacity(m), values: Vec::with_capacity(m) };
     let mut steps = StepModel::new(nctx);
-    let mut rc = RangeDecoder::new(&values).ok_or_else(|| bad("ulp step stream too short"))?;
+    let mut rc = RangeDecoder::new(&parsed.values).ok_or_else(|| bad("ulp step stream too short"))?;
     for (i, word) in old.chunks_exact(w).enumerate() {
         let o = T::load(word);
         let c = model.context(o);
@@ -503,21 +566,151 @@ fn decode_words<T: Word>(
         if rc.overrun() {
             return Err(bad("ulp step stream ends early"));
         }
-        let new = model.apply_step(o, step);
-        if new == o {
-            return Err(bad("a listed change does not change its element"));
-        }
-        out.positions.push(i as u32);
-        out.values.push(match kind {
-            ChangeKind::Xor => o ^ new,
-            ChangeKind::Overwrite => new,
-        });
+        push_change(&mut out, i, o, model.apply_step(o, step), kind).ok_or_else(|| bad("a listed change does not change its element"))?;
     }
     if remaining.iter().any(|&r| r > 0) || out.positions.len() != m {
         return Err(bad("positions or steps left over after the last element"));
     }
     Ok(out)
 }
+
+/// Record the change of element `i` from `old` to `new`; `None` when the
+/// two are equal (a corrupt payload).
+#[inline(always)]
+fn push_change(out: &mut SparseChanges, i: usize, old: u64, new: u64, kind: ChangeKind) -> Option<()> {
+    if new == old {
+        return None;
+    }
+    out.positions.push(i as u32);
+    out.values.push(match kind {
+        ChangeKind::Xor => old ^ new,
+        ChangeKind::Overwrite => new,
+    });
+    Some(())
+}
+
+/// Per context, the ranks (indices within the context's own subsequence of
+/// elements) that changed, as one bitmap per context laid end to end in
+/// `words`: bit `r` of context `c` is bit `r % 64` of
+/// `words[base[c] + r / 64]`. Each context's bitmap ends at its last
+/// change (`limit[c]` bits) and is followed by a zero word, so a window of
+/// two words starting below the limit stays inside it.
+struct RankBitmaps {
+    words: Vec<u64>,
+    base: Vec<usize>,
+    limit: Vec<u64>,
+}
+
+/// Decode every listed context's position stream into its rank bitmap.
+/// Refuses streams that end early and ranks that cannot fit the chunk (the
+/// bitmaps of all contexts together never hold more than n bits, since the
+/// contexts partition the n elements).
+fn rank_bitmaps(parsed: &Parsed, n: usize, nctx: usize, context: &str) -> Result<RankBitmaps> {
+    let bad = |detail: &str| Error::corrupt(context, detail.to_string());
+    let mut maps = RankBitmaps { words: Vec::new(), base: vec![0; nctx], limit: vec![0; nctx] };
+    let mut bits_left = n as u64;
+    let mut ranks = Vec::new();
+    for l in &parsed.listed {
+        let stream = &parsed.body[l.start..l.end];
+        let base = maps.words.len();
+        maps.base[l.ctx] = base;
+        let limit = if l.mode == MODE_RICE {
+            let mut reader = BitReader::new(stream);
+            ranks.clear();
+            let mut next = 0u64; // the rank after the previous change
+            for _ in 0..l.changes {
+                let gap = get_rice(&mut reader, l.k).ok_or_else(|| bad("position stream ends early"))?;
+                let rank = next.checked_add(gap).filter(|&r| r < bits_left).ok_or_else(|| bad("positions beyond the chunk's elements"))?;
+                ranks.push(rank);
+                next = rank + 1;
+            }
+            maps.words.resize(base + next.div_ceil(64) as usize, 0);
+            let map = &mut maps.words[base..];
+            for &rank in &ranks {
+                map[(rank / 64) as usize] |= 1 << (rank % 64);
+            }
+            next
+        } else {
+            // Flags: bit r of the stream (least significant first) is rank
+            // r; only the flags up to the context's last change are read.
+            let mut need = l.changes;
+            let mut limit = None;
+            for (i, bytes) in stream.chunks(8).enumerate() {
+                let mut le = [0u8; 8];
+                le[..bytes.len()].copy_from_slice(bytes);
+                let word = u64::from_le_bytes(le);
+                let ones = u64::from(word.count_ones());
+                if ones < need {
+                    need -= ones;
+                    maps.words.push(word);
+                    continue;
+                }
+                let mut rest = word;
+                for _ in 1..need {
+                    rest &= rest - 1;
+                }
+                let last = rest.trailing_zeros();
+                maps.words.push(word & (u64::MAX >> (63 - last)));
+                limit = Some(i as u64 * 64 + u64::from(last) + 1);
+                break;
+            }
+            limit.filter(|&b| b <= bits_left).ok_or_else(|| bad("flag stream ends early"))?
+        };
+        bits_left -= limit;
+        maps.limit[l.ctx] = limit;
+        maps.words.resize(base + limit.div_ceil(64) as usize + 1, 0);
+    }
+    Ok(maps)
+}
+
+/// The fast decoder: rank bitmaps expanded into element order block by
+/// block (see `x86`), then the ulp steps of the changes in one pass.
+#[cfg(target_arch = "x86_64")]
+fn decode_expanded<T: Word>(
+    payload: &[u8],
+    old: &[u8],
+    model: &ContextModel,
+    n_changed: u32,
+    kind: ChangeKind,
+    context: &str,
+) -> Result<SparseChanges> {
+    let n = old.len() / T::BYTES;
+    let m = n_changed as usize;
+    let bad = |detail: &str| Error::corrupt(context, detail.to_string());
+    let nctx = model.contexts();
+    let parsed = parse(payload, n, m, nctx, context)?;
+    let maps = rank_bitmaps(&parsed, n, nctx, context)?;
+    let listed: Vec<usize> = parsed.listed.iter().map(|l| l.ctx).collect();
+    let mut positions = vec![0u32; m + x86::SPARE];
+    x86::expand::<T>(old, model, &listed, &maps, &mut positions);
+    if positions.len() != m {
+        return Err(bad("positions or steps left over after the last element"));
+    }
+    // The ulp steps, in element order.
+    let mut values = Vec::with_capacity(m);
+    let mut steps = StepModel::new(nctx);
+    let mut rc = RangeDecoder::new(&parsed.values).ok_or_else(|| bad("ulp step stream too short"))?;
+    let w = T::BYTES;
+    for &p in &positions {
+        let o = T::load(&old[p as usize * w..][..w]);
+        let step = steps.decode(&mut rc, model.context(o), model.sign(o)).ok_or_else(|| bad("bad ulp step"))?;
+        let new = model.apply_step(o, step);
+        if new == o {
+            return Err(bad("a listed change does not change its element"));
+        }
+        values.push(match kind {
+            ChangeKind::Xor => o ^ new,
+            ChangeKind::Overwrite => new,
+        });
+    }
+    if rc.overrun() {
+        return Err(bad("ulp step stream ends early"));
+    }
+    Ok(SparseChanges { positions, values })
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 #[cfg(test)]
 mod tests {

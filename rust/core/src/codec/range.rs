@@ -87,6 +87,7 @@ impl RangeEncoder {
     }
 }
 
+#[derive(Clone)]
 pub struct RangeDecoder<'a> {
     buf: &'a [u8],
     pos: usize,
@@ -104,14 +105,6 @@ impl<'a> RangeDecoder<'a> {
         Some(RangeDecoder { buf, pos: 5, range: u32::MAX, code })
     }
 
-    #[inline(always)]
-    fn next_byte(&mut self) -> u32 {
-        // Past the end the stream reads as zeros; `exhausted` tells.
-        let b = self.buf.get(self.pos).copied().unwrap_or(0);
-        self.pos += 1;
-        u32::from(b)
-    }
-
     /// Whether more bytes were consumed than the stream holds (corruption).
     pub fn overrun(&self) -> bool {
         self.pos > self.buf.len()
@@ -125,27 +118,53 @@ impl<'a> RangeDecoder<'a> {
     fn normalize(&mut self) {
         if self.range < TOP {
             self.range <<= 8;
-            self.code = (self.code << 8) | self.next_byte();
+            // Past the end the stream reads as zeros; `overrun` tells.
+            let byte = self.buf.get(self.pos).map_or(0, |&b| u32::from(b));
+            self.code = (self.code << 8) | byte;
+            self.pos += 1;
         }
         debug_assert!(self.range >= TOP);
     }
 
-    /// Branch-free: both outcomes are computed and one is selected, since
-    /// the decisions (signs above all) are close to unpredictable.
+    /// A decision whose outcome is usually the likely one: branches, which
+    /// cost little when predicted (a short dependency chain).
     #[inline(always)]
     pub fn bit(&mut self, prob: &mut u16) -> bool {
         let p = u32::from(*prob);
         let bound = (self.range >> PROB_BITS) * p;
-        let bit = self.code >= bound;
-        let (range, code, p) = if bit {
-            (self.range - bound, self.code - bound, p - (p >> MOVE_BITS))
+        let bit = if self.code < bound {
+            self.range = bound;
+            *prob = (p + (((1 << PROB_BITS) - p) >> MOVE_BITS)) as u16;
+            false
         } else {
-            (bound, self.code, p + (((1 << PROB_BITS) - p) >> MOVE_BITS))
+            self.code -= bound;
+            self.range -= bound;
+            *prob = (p - (p >> MOVE_BITS)) as u16;
+            true
         };
-        self.range = range;
-        self.code = code;
-        *prob = p as u16;
         self.normalize();
+        bit
+    }
+
+    /// The same decision, branch-free (both outcomes computed, one selected
+    /// by a mask): for decisions close to a coin toss, such as signs.
+    #[inline(always)]
+    pub fn bit_unpredictable(&mut self, prob: &mut u16) -> bool {
+        let p = u32::from(*prob);
+        let bound = (self.range >> PROB_BITS) * p;
+        let bit = self.code >= bound;
+        let one = u32::from(bit).wrapping_neg(); // all ones when the bit is 1
+        self.range = (bound & !one) | (self.range.wrapping_sub(bound) & one);
+        self.code = self.code.wrapping_sub(bound & one);
+        let up = ((1 << PROB_BITS) - p) >> MOVE_BITS;
+        let down = p >> MOVE_BITS;
+        *prob = p.wrapping_add(up & !one).wrapping_sub(down & one) as u16;
+        // Branch-free renormalisation too.
+        let shift = u32::from(self.range < TOP) * 8;
+        let byte = self.buf.get(self.pos).map_or(0, |&b| u32::from(b));
+        self.range <<= shift;
+        self.code = (self.code << shift) | (byte & (0xff >> (8 - shift)));
+        self.pos += (shift / 8) as usize;
         bit
     }
 
