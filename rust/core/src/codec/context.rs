@@ -170,20 +170,23 @@ impl BitWriter {
     fn new() -> Self {
         BitWriter { out: Vec::new(), acc: 0, n: 0 }
     }
+    /// Append the `bits <= 32` low bits of `value`, least significant first.
     #[inline(always)]
     fn put(&mut self, value: u64, bits: u32) {
-        debug_assert!(bits <= 32);
+        debug_assert!(bits <= 32 && self.n < 32);
         self.acc |= (value & ((1u64 << bits) - 1)) << self.n;
         self.n += bits;
-        while self.n >= 8 {
-            self.out.push(self.acc as u8);
-            self.acc >>= 8;
-            self.n -= 8;
+        if self.n >= 32 {
+            self.out.extend_from_slice(&(self.acc as u32).to_le_bytes());
+            self.acc >>= 32;
+            self.n -= 32;
         }
     }
     fn finish(mut self) -> Vec<u8> {
-        if self.n > 0 {
+        while self.n > 0 {
             self.out.push(self.acc as u8);
+            self.acc >>= 8;
+            self.n = self.n.saturating_sub(8);
         }
         self.out
     }
@@ -239,17 +242,19 @@ impl<'a> BitReader<'a> {
 
 const RICE_ESCAPE: u64 = 32;
 
+#[inline(always)]
 fn put_rice(w: &mut BitWriter, g: u64, k: u32) {
     let q = g >> k;
     if q >= RICE_ESCAPE {
         w.put((1 << RICE_ESCAPE) - 1, RICE_ESCAPE as u32);
         w.put(g, 32);
+    } else if q as u32 + 1 + k <= 32 {
+        // q ones, a zero, then the k low bits: one write
+        let low = g & ((1u64 << k) - 1);
+        w.put(((1u64 << q) - 1) | (low << (q + 1)), q as u32 + 1 + k);
     } else {
-        // q ones then a zero, then k low bits
         w.put((1u64 << q) - 1, q as u32 + 1);
-        if k > 0 {
-            w.put(g, k);
-        }
+        w.put(g, k);
     }
 }
 
@@ -276,17 +281,18 @@ fn get_rice(r: &mut BitReader<'_>, k: u32) -> Option<u64> {
     Some((q << k) | low)
 }
 
-fn rice_cost(gaps: &[u32], k: u32) -> u64 {
-    gaps.iter()
-        .map(|&g| {
+/// The bits of the gaps as Rice codes with parameters `k0`, `k0 + 1` and
+/// `k0 + 2` (all below 32), in one pass.
+fn rice_costs(gaps: &[u32], k0: u32) -> [u64; 3] {
+    let mut costs = [0u64; 3];
+    for &g in gaps {
+        for (i, cost) in costs.iter_mut().enumerate() {
+            let k = k0 + i as u32;
             let q = u64::from(g) >> k;
-            if q >= RICE_ESCAPE {
-                RICE_ESCAPE + 32
-            } else {
-                q + 1 + u64::from(k)
-            }
-        })
-        .sum()
+            *cost += if q >= RICE_ESCAPE { RICE_ESCAPE + 32 } else { q + 1 + u64::from(k) };
+        }
+    }
+    costs
 }
 
 const MODE_RICE: u8 = 0;
@@ -303,81 +309,93 @@ pub fn encode(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextMo
     }
 }
 
-fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextModel, level: i32) -> Vec<u8> {
+/// For each change (positions ascending), how many earlier elements of the
+/// chunk share its context.
+fn ranks<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32]) -> Vec<u32> {
+    #[cfg(target_arch = "x86_64")]
+    if model.contexts() <= 256 && T::BYTES <= 4 && x86::available() {
+        let mut ranks = Vec::new();
+        x86::ranks::<T>(old, model, positions, &mut ranks);
+        return ranks;
+    }
+    ranks_reference::<T>(old, model, positions)
+}
+
+/// `ranks`, one element at a time.
+fn ranks_reference<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32]) -> Vec<u32> {
+    let mut ranks = Vec::with_capacity(positions.len());
     let w = T::BYTES;
-    let n = old.len() / w;
-    let nctx = model.contexts();
-    let mut seen = vec![0u32; nctx]; // elements of each context so far
-    let mut next_free = vec![0u32; nctx]; // subsequence index after the last change
-    let mut gaps: Vec<Vec<u32>> = vec![Vec::new(); nctx];
-    let mut flags_needed = vec![false; nctx];
-    let mut steps = StepModel::new(nctx);
-    let mut rc = RangeEncoder::default();
-    let mut ptr = 0usize;
-    let positions = &changes.positions;
-    // One pass: count each context's elements; at a change, record its gap
-    // within the context and its ulp step.
+    let mut seen = vec![0u32; model.contexts()];
     let mut run_start = 0usize;
-    loop {
-        let stop = positions.get(ptr).map_or(n, |&p| p as usize);
-        // Count the unchanged elements before the next change.
-        for word in old[run_start * w..stop * w].chunks_exact(w) {
+    for &p in positions {
+        let p = p as usize;
+        for word in old[run_start * w..p * w].chunks_exact(w) {
             seen[model.context(T::load(word))] += 1;
         }
-        if stop == n {
-            break;
-        }
-        let o = T::load(&old[stop * w..(stop + 1) * w]);
-        let c = model.context(o);
-        gaps[c].push(seen[c] - next_free[c]);
+        let c = model.context(T::load(&old[p * w..(p + 1) * w]));
+        ranks.push(seen[c]);
         seen[c] += 1;
-        next_free[c] = seen[c];
-        steps.encode(&mut rc, c, model.sign(o), model.step(o, T::load(&new[stop * w..(stop + 1) * w])));
-        ptr += 1;
-        run_start = stop + 1;
+        run_start = p + 1;
+    }
+    ranks
+}
+
+fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextModel, level: i32) -> Vec<u8> {
+    let w = T::BYTES;
+    let nctx = model.contexts();
+    let mut next_free = vec![0u32; nctx]; // subsequence index after the last change
+    let mut gaps: Vec<Vec<u32>> = vec![Vec::new(); nctx];
+    let mut steps = StepModel::new(nctx);
+    let mut rc = RangeEncoder::default();
+    let positions = &changes.positions;
+    let ranks = ranks::<T>(old, model, positions);
+    // At each change: its gap within its context and its ulp step.
+    for (&p, &rank) in positions.iter().zip(&ranks) {
+        let p = p as usize;
+        let o = T::load(&old[p * w..(p + 1) * w]);
+        let c = model.context(o);
+        gaps[c].push(rank - next_free[c]);
+        next_free[c] = rank + 1;
+        steps.encode(&mut rc, c, model.sign(o), model.step(o, T::load(&new[p * w..(p + 1) * w])));
     }
     // Per context: Rice with the best parameter, or one flag per element
-    // when that is cheaper (dense contexts).
+    // up to its last change when that is cheaper (dense contexts).
     let mut table = Vec::new();
-    let mut bits = BitWriter::new();
     let mut listed = 0u64;
     let mut prev_ctx = 0usize;
     let mut body = Vec::new();
-    for c in 0..nctx {
-        let m_c = gaps[c].len() as u64;
+    for (c, gaps) in gaps.iter().enumerate() {
+        let m_c = gaps.len() as u64;
         if m_c == 0 {
             continue;
         }
-        let n_c = u64::from(seen[c]);
-        let mean = (n_c - m_c) as f64 / m_c as f64;
+        let span = u64::from(next_free[c]); // flags needed, up to the last change
+        let mean = (span - m_c) as f64 / m_c as f64;
         let guess = if mean > 1.0 { (mean * std::f64::consts::LN_2).log2().max(0.0) as u32 } else { 0 };
-        let (k, cost) = (guess.saturating_sub(1)..=guess + 1)
-            .map(|k| (k.min(31), rice_cost(&gaps[c], k.min(31))))
-            .min_by_key(|&(_, cost)| cost)
-            .expect("three candidates");
-        flags_needed[c] = n_c < cost;
-        let mut w_c = std::mem::replace(&mut bits, BitWriter::new());
-        if flags_needed[c] {
-            let mut idx = 0u32;
-            for &g in &gaps[c] {
-                for _ in 0..g {
-                    w_c.put(0, 1);
-                }
-                w_c.put(1, 1);
-                idx += g + 1;
+        let k0 = guess.saturating_sub(1).min(29);
+        let costs = rice_costs(gaps, k0);
+        let best = (0..3).min_by_key(|&i| costs[i]).expect("three candidates");
+        let (k, cost) = (k0 + best as u32, costs[best]);
+        let flags = span < cost;
+        let stream = if flags {
+            let mut bytes = vec![0u8; span.div_ceil(8) as usize];
+            let mut rank = 0usize;
+            for &g in gaps {
+                rank += g as usize;
+                bytes[rank / 8] |= 1 << (rank % 8);
+                rank += 1;
             }
-            for _ in idx..seen[c] {
-                w_c.put(0, 1);
-            }
+            bytes
         } else {
-            for &g in &gaps[c] {
-                put_rice(&mut w_c, u64::from(g), k);
+            let mut bits = BitWriter::new();
+            for &g in gaps {
+                put_rice(&mut bits, u64::from(g), k);
             }
-        }
-        let stream = w_c.finish();
+            bits.finish()
+        };
         put_varint(&mut table, (c - prev_ctx) as u64);
         put_varint(&mut table, m_c);
-        table.push(if flags_needed[c] { MODE_FLAGS } else { MODE_RICE });
+        table.push(if flags { MODE_FLAGS } else { MODE_RICE });
         table.push(k as u8);
         put_varint(&mut table, stream.len() as u64);
         body.extend_from_slice(&stream);
@@ -392,6 +410,7 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
     put_stream(&mut out, &values, level);
     out
 }
+
 
 /// Decode a context-coded payload against the chunk's base bytes `old`.
 /// Returns the changes as XOR masks or new words (by `kind`).
@@ -728,6 +747,38 @@ mod tests {
         let m = ContextModel::for_dtype(DType(Dtype::I64));
         for (a, b) in [(0u64, u64::MAX), (u64::MAX, 0), (5, 1 << 63)] {
             assert_eq!(m.apply_step(a, m.step(a, b)), b);
+        }
+    }
+
+    #[test]
+    fn fast_ranks_match_the_reference() {
+        // Float-like words (a few exponents, zeros, a partial last block)
+        // and every sixth or so element changed.
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for (dtype, width) in [(Dtype::BF16, 2), (Dtype::F32, 4), (Dtype::F8_E4M3, 1), (Dtype::I16, 2), (Dtype::U8, 1)] {
+            let model = ContextModel::for_dtype(DType(dtype));
+            for n in [0usize, 1, 63, 64, 65, 1000, 4099] {
+                let old: Vec<u8> = (0..n)
+                    .flat_map(|_| {
+                        let r = next();
+                        let word = if r % 9 == 0 { 0 } else { (r & !(0x7u64 << (8 * width - 4))) | ((r >> 60) << (8 * width - 5)) };
+                        word.to_le_bytes()[..width].to_vec()
+                    })
+                    .collect();
+                let positions: Vec<u32> = (0..n as u32).filter(|_| next() % 6 == 0).collect();
+                let (fast, slow) = match width {
+                    1 => (ranks::<u8>(&old, &model, &positions), ranks_reference::<u8>(&old, &model, &positions)),
+                    2 => (ranks::<u16>(&old, &model, &positions), ranks_reference::<u16>(&old, &model, &positions)),
+                    _ => (ranks::<u32>(&old, &model, &positions), ranks_reference::<u32>(&old, &model, &positions)),
+                };
+                assert_eq!(fast, slow, "{dtype:?}, {n} elements");
+            }
         }
     }
 

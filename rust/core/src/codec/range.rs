@@ -159,12 +159,7 @@ impl<'a> RangeDecoder<'a> {
         let up = ((1 << PROB_BITS) - p) >> MOVE_BITS;
         let down = p >> MOVE_BITS;
         *prob = p.wrapping_add(up & !one).wrapping_sub(down & one) as u16;
-        // Branch-free renormalisation too.
-        let shift = u32::from(self.range < TOP) * 8;
-        let byte = self.buf.get(self.pos).map_or(0, |&b| u32::from(b));
-        self.range <<= shift;
-        self.code = (self.code << shift) | (byte & (0xff >> (8 - shift)));
-        self.pos += (shift / 8) as usize;
+        self.normalize();
         bit
     }
 

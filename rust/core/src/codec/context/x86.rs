@@ -63,16 +63,14 @@ unsafe fn expand_avx2<T: Word>(old: &[u8], model: &ContextModel, listed: &[usize
     const B: usize = 64;
     let w = T::BYTES;
     let n = old.len() / w;
-    // Per context (indexed by the context byte): whether it still has
-    // changes ahead, and the rank of its next element.
-    let mut active = [false; 256];
-    let mut rank = [0u64; 256];
-    let mut base = [0usize; 256];
-    let mut limit = [0u64; 256];
+    // Per context (indexed by the context byte): the bit of `words` that
+    // holds the flag of its next element, and the end of its bitmap (both
+    // zero for contexts without changes: never entered).
+    let mut next = [0usize; 256];
+    let mut end = [0usize; 256];
     for &c in listed {
-        active[c] = true;
-        base[c] = maps.base[c];
-        limit[c] = maps.limit[c];
+        next[c] = maps.base[c] * 64;
+        end[c] = next[c] + maps.limit[c] as usize;
     }
     let (Some(&first), Some(&last)) = (listed.iter().min(), listed.iter().max()) else {
         positions.clear();
@@ -81,7 +79,6 @@ unsafe fn expand_avx2<T: Word>(old: &[u8], model: &ContextModel, listed: &[usize
     let mut count = 0usize;
     let words = &maps.words[..];
     let (shift, mask) = (model.shift, model.mask as u8);
-    let mut ctx = [0u8; B];
     let mut tail;
     for start in (0..n).step_by(B) {
         let len = B.min(n - start);
@@ -95,16 +92,13 @@ unsafe fn expand_avx2<T: Word>(old: &[u8], model: &ContextModel, listed: &[usize
             &tail[..B * w]
         };
         let valid = if len == B { u64::MAX } else { (1u64 << len) - 1 };
-        // Safety: `full` holds 64 words and `ctx` 64 bytes.
+        // Safety: `full` holds 64 words.
         let (v0, v1) = unsafe { context_vectors::<T>(full, shift, mask) };
-        unsafe {
-            _mm256_storeu_si256(ctx.as_mut_ptr() as *mut __m256i, v0);
-            _mm256_storeu_si256(ctx.as_mut_ptr().add(32) as *mut __m256i, v1);
-        }
         let (lo, hi) = min_max(v0, v1);
         let mut changed = 0u64;
         for c in usize::from(lo).max(first)..=usize::from(hi).min(last) {
-            if !active[c] {
+            let bit = next[c];
+            if bit >= end[c] {
                 continue;
             }
             let probe = _mm256_set1_epi8(c as u8 as i8);
@@ -112,17 +106,17 @@ unsafe fn expand_avx2<T: Word>(old: &[u8], model: &ContextModel, listed: &[usize
                 | (u64::from(_mm256_movemask_epi8(_mm256_cmpeq_epi8(v1, probe)) as u32) << 32))
                 & valid;
             let k = m.count_ones();
-            let r = rank[c];
-            // Two words from the one holding rank r: r < limit, so both lie
-            // inside the context's bitmap or its trailing zero word.
-            let i = base[c] + (r / 64) as usize;
-            let pair = u128::from(words[i]) | (u128::from(words[i + 1]) << 64);
-            let flags = ((pair >> (r % 64)) as u64) & (((1u128 << k) - 1) as u64);
+            // Two words from the one holding the next flag: that bit lies
+            // below the end of the bitmap, so both words lie inside it or its
+            // trailing zero word.
+            let i = bit / 64;
+            debug_assert!(i + 1 < words.len());
+            // Safety: `i + 1 < words.len()` (above: `rank_bitmaps` pads each
+            // bitmap with a zero word past its end).
+            let pair = unsafe { u128::from(*words.get_unchecked(i)) | (u128::from(*words.get_unchecked(i + 1)) << 64) };
+            let flags = _bzhi_u64((pair >> (bit % 64)) as u64, k);
             changed |= _pdep_u64(flags, m);
-            rank[c] = r + u64::from(k);
-            if rank[c] >= limit[c] {
-                active[c] = false;
-            }
+            next[c] = bit + k as usize;
         }
         // Positions of the set bits: four written unconditionally (most
         // blocks have no more; the surplus is overwritten or cut off), then
@@ -134,11 +128,11 @@ unsafe fn expand_avx2<T: Word>(old: &[u8], model: &ContextModel, listed: &[usize
             *slot = (start + changed.trailing_zeros() as usize) as u32;
             changed &= changed.wrapping_sub(1);
         }
-        let mut next = 4;
+        let mut slot = 4;
         while changed != 0 {
-            at[next] = (start + changed.trailing_zeros() as usize) as u32;
+            at[slot] = (start + changed.trailing_zeros() as usize) as u32;
             changed &= changed - 1;
-            next += 1;
+            slot += 1;
         }
         count += found;
     }
@@ -202,4 +196,85 @@ unsafe fn min_max(v0: __m256i, v1: __m256i) -> (u8, u8) {
     let lo = _mm_min_epu8(_mm256_castsi256_si128(lo), _mm256_extracti128_si256::<1>(lo));
     let hi = _mm_min_epu8(_mm256_castsi256_si128(hi), _mm256_extracti128_si256::<1>(hi));
     (hmin(lo), !hmin(hi))
+}
+
+/// For each of the changed `positions` (ascending) of the chunk `old`, its
+/// rank: how many earlier elements share its context. The encoder's side of
+/// `expand`: 64 elements at a time, one compare and popcount per context
+/// present.
+pub(super) fn ranks<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32], ranks: &mut Vec<u32>) {
+    assert!(available() && model.contexts() <= 256 && T::BYTES <= 4, "the caller checks the CPU and the model");
+    // Safety: the CPU has the features `ranks_avx2` is compiled for
+    // (checked just above).
+    #[allow(unsafe_code)]
+    unsafe {
+        ranks_avx2::<T>(old, model, positions, ranks)
+    }
+}
+
+/// Compiled with AVX2 and BMI2: may only run where `available()`.
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,bmi1,bmi2,popcnt")]
+unsafe fn ranks_avx2<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32], ranks: &mut Vec<u32>) {
+    const B: usize = 64;
+    let w = T::BYTES;
+    let n = old.len() / w;
+    let (shift, mask) = (model.shift, model.mask as u8);
+    let mut counts = [0u32; 256];
+    // Only contexts with changes ahead need counting.
+    let mut ahead = [0u32; 256];
+    for &p in positions {
+        let p = p as usize;
+        ahead[model.context(T::load(&old[p * w..(p + 1) * w]))] += 1;
+    }
+    let first = ahead.iter().position(|&a| a > 0).unwrap_or(0) as u8;
+    let last = ahead.iter().rposition(|&a| a > 0).unwrap_or(0) as u8;
+    let mut ctx = [0u8; B];
+    let mut tail;
+    let mut next = 0usize; // the next change
+    ranks.clear();
+    ranks.reserve(positions.len());
+    for start in (0..n).step_by(B) {
+        if next == positions.len() {
+            break; // nothing after the last change needs counting
+        }
+        let len = B.min(n - start);
+        let block = &old[start * w..(start + len) * w];
+        let full = if len == B {
+            block
+        } else {
+            tail = [0u8; B * 4];
+            tail[..block.len()].copy_from_slice(block);
+            &tail[..B * w]
+        };
+        let valid = if len == B { u64::MAX } else { (1u64 << len) - 1 };
+        // Safety: `full` holds 64 words and `ctx` 64 bytes.
+        let (v0, v1) = unsafe { context_vectors::<T>(full, shift, mask) };
+        unsafe {
+            _mm256_storeu_si256(ctx.as_mut_ptr() as *mut __m256i, v0);
+            _mm256_storeu_si256(ctx.as_mut_ptr().add(32) as *mut __m256i, v1);
+        }
+        let elements = |c: u8| -> u64 {
+            let probe = _mm256_set1_epi8(c as i8);
+            (u64::from(_mm256_movemask_epi8(_mm256_cmpeq_epi8(v0, probe)) as u32)
+                | (u64::from(_mm256_movemask_epi8(_mm256_cmpeq_epi8(v1, probe)) as u32) << 32))
+                & valid
+        };
+        while let Some(&p) = positions.get(next) {
+            let j = p as usize - start;
+            if j >= len {
+                break;
+            }
+            let c = ctx[j];
+            ranks.push(counts[usize::from(c)] + (elements(c) & ((1u64 << j) - 1)).count_ones());
+            ahead[usize::from(c)] -= 1;
+            next += 1;
+        }
+        let (lo, hi) = min_max(v0, v1);
+        for c in lo.max(first)..=hi.min(last) {
+            if ahead[usize::from(c)] > 0 {
+                counts[usize::from(c)] += elements(c).count_ones();
+            }
+        }
+    }
 }
