@@ -56,7 +56,7 @@ impl ContextModel {
     }
 
     #[inline(always)]
-    fn context(&self, word: u64) -> usize {
+    pub(super) fn context(&self, word: u64) -> usize {
         ((word >> self.shift) & self.mask) as usize
     }
 
@@ -123,7 +123,7 @@ impl StepModel {
 
     #[inline(always)]
     fn encode(&mut self, rc: &mut RangeEncoder, ctx: usize, old_sign: usize, step: i64) {
-        rc.bit(&mut self.sign[ctx][old_sign], step < 0);
+        rc.bit_unpredictable(&mut self.sign[ctx][old_sign], step < 0);
         let v = step.unsigned_abs() - 1; // steps are never 0
         for i in 0..UNARY {
             let more = v > i as u64;
@@ -313,9 +313,9 @@ pub fn encode(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextMo
 /// chunk share its context.
 fn ranks<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32]) -> Vec<u32> {
     #[cfg(target_arch = "x86_64")]
-    if model.contexts() <= 256 && T::BYTES <= 4 && x86::available() {
+    if model.contexts() <= 256 && T::BYTES <= 4 && super::x86::available() {
         let mut ranks = Vec::new();
-        x86::ranks::<T>(old, model, positions, &mut ranks);
+        super::x86::ranks::<T>(old, model, positions, &mut ranks);
         return ranks;
     }
     ranks_reference::<T>(old, model, positions)
@@ -428,7 +428,7 @@ pub fn decode(
     context: &str,
 ) -> Result<SparseChanges> {
     #[cfg(target_arch = "x86_64")]
-    if model.contexts() <= 256 && x86::available() {
+    if model.contexts() <= 256 && super::x86::available() {
         match model.width {
             1 => return decode_expanded::<u8>(payload, old, model, n_changed, kind, context),
             2 => return decode_expanded::<u16>(payload, old, model, n_changed, kind, context),
@@ -614,10 +614,10 @@ fn push_change(out: &mut SparseChanges, i: usize, old: u64, new: u64, kind: Chan
 /// `words[base[c] + r / 64]`. Each context's bitmap ends at its last
 /// change (`limit[c]` bits) and is followed by a zero word, so a window of
 /// two words starting below the limit stays inside it.
-struct RankBitmaps {
-    words: Vec<u64>,
-    base: Vec<usize>,
-    limit: Vec<u64>,
+pub(super) struct RankBitmaps {
+    pub(super) words: Vec<u64>,
+    pub(super) base: Vec<usize>,
+    pub(super) limit: Vec<u64>,
 }
 
 /// Decode every listed context's position stream into its rank bitmap.
@@ -700,8 +700,8 @@ fn decode_expanded<T: Word>(
     let parsed = parse(payload, n, m, nctx, context)?;
     let maps = rank_bitmaps(&parsed, n, nctx, context)?;
     let listed: Vec<usize> = parsed.listed.iter().map(|l| l.ctx).collect();
-    let mut positions = vec![0u32; m + x86::SPARE];
-    x86::expand::<T>(old, model, &listed, &maps, &mut positions);
+    let mut positions = vec![0u32; m + super::x86::SPARE];
+    super::x86::expand::<T>(old, model, &listed, &maps, &mut positions);
     if positions.len() != m {
         return Err(bad("positions or steps left over after the last element"));
     }
@@ -728,8 +728,6 @@ fn decode_expanded<T: Word>(
     Ok(SparseChanges { positions, values })
 }
 
-#[cfg(target_arch = "x86_64")]
-mod x86;
 
 #[cfg(test)]
 mod tests {

@@ -15,6 +15,8 @@
 pub mod context;
 pub mod range;
 pub mod streams;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 use crate::error::{Error, Result};
 use streams::{get_varint, put_stream, put_varint, StreamReader};
@@ -199,6 +201,10 @@ fn changed_lanes<T: Word>(d: u64) -> u64 {
 /// changed words, whose set bits are then visited; unchanged blocks cost one
 /// compare of their bytes.
 fn scan<T: Word>(old: &[u8], new: &[u8], kind: ChangeKind, out: &mut SparseChanges) {
+    #[cfg(target_arch = "x86_64")]
+    if T::BYTES <= 4 && x86::available() {
+        return x86::scan::<T>(old, new, kind, out);
+    }
     const BLOCK: usize = 64;
     let w = T::BYTES;
     let n = old.len() / w;

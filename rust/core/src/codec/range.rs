@@ -65,6 +65,23 @@ impl RangeEncoder {
         debug_assert!(self.range >= TOP);
     }
 
+    /// The same decision, branch-free: for coin tosses such as signs.
+    #[inline(always)]
+    pub fn bit_unpredictable(&mut self, prob: &mut u16, bit: bool) {
+        let p = u32::from(*prob);
+        let bound = (self.range >> PROB_BITS) * p;
+        let one = u32::from(bit).wrapping_neg(); // all ones when the bit is 1
+        self.low += u64::from(bound & one);
+        self.range = (bound & !one) | (self.range.wrapping_sub(bound) & one);
+        let up = ((1 << PROB_BITS) - p) >> MOVE_BITS;
+        let down = p >> MOVE_BITS;
+        *prob = p.wrapping_add(up & !one).wrapping_sub(down & one) as u16;
+        if self.range < TOP {
+            self.range <<= 8;
+            self.shift_low();
+        }
+    }
+
     /// `bits` low bits of `value`, each with probability one half.
     pub fn direct(&mut self, value: u64, bits: u32) {
         for i in (0..bits).rev() {

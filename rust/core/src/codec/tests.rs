@@ -82,6 +82,22 @@ proptest! {
     }
 
     #[test]
+    fn find_changes_matches_a_word_by_word_compare((old, new, width) in chunk_pair(), overwrite in any::<bool>()) {
+        let kind = if overwrite { ChangeKind::Overwrite } else { ChangeKind::Xor };
+        let mut expected = SparseChanges::default();
+        for (i, (a, b)) in old.chunks_exact(width).zip(new.chunks_exact(width)).enumerate() {
+            if a != b {
+                expected.positions.push(i as u32);
+                expected.values.push(match kind {
+                    ChangeKind::Xor => read_word(a) ^ read_word(b),
+                    ChangeKind::Overwrite => read_word(b),
+                });
+            }
+        }
+        prop_assert_eq!(find_changes(&old, &new, width, kind).unwrap(), expected);
+    }
+
+    #[test]
     fn corrupted_payload_never_panics((old, new, width) in chunk_pair(), flips in prop::collection::vec((any::<usize>(), any::<u8>()), 1..4), cut in any::<usize>()) {
         if let Some(c) = encode_chunk(&old, &new, width, EncodeOptions::default()).unwrap() {
             let mut bad = c.payload.clone();
