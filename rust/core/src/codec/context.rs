@@ -203,18 +203,17 @@ impl<'a> BitReader<'a> {
     fn new(buf: &'a [u8]) -> Self {
         BitReader { buf, pos: 0, acc: 0, n: 0 }
     }
-    /// Top up `acc` to more than 56 bits while the buffer lasts. Bits of
+    /// Top up `acc` to more than 55 bits while the buffer lasts. Bits of
     /// `acc` above `n` may hold the bytes that follow (never anything
-    /// else), so OR-ing those bytes in again leaves them unchanged.
+    /// else), so OR-ing those bytes in again leaves them unchanged. Away
+    /// from the end of the buffer this is branch-free: eight bytes are
+    /// loaded and as many whole bytes as fit are counted (`n <= 63` there).
     #[inline(always)]
     fn refill(&mut self) {
-        if self.n > 56 {
-            return;
-        }
         if let Some(next) = self.buf.get(self.pos..self.pos + 8) {
             let bytes = u64::from_le_bytes(next.try_into().expect("8 bytes"));
             self.acc |= bytes << self.n;
-            let take = (64 - self.n) / 8;
+            let take = (63 - self.n) / 8;
             self.pos += take as usize;
             self.n += take * 8;
             return;
@@ -264,10 +263,11 @@ fn get_rice(r: &mut BitReader<'_>, k: u32) -> Option<u64> {
     // buffered bits.
     r.refill();
     let ones = (!r.acc).trailing_zeros();
-    if ones < r.n && (ones as u64) < RICE_ESCAPE {
-        r.acc >>= ones + 1;
-        r.n -= ones + 1;
-        let low = if k > 0 { r.get(k)? } else { 0 };
+    let used = ones + 1 + k; // at most 31 + 1 + 31 bits
+    if u64::from(ones) < RICE_ESCAPE && used <= r.n {
+        let low = (r.acc >> (ones + 1)) & ((1u64 << k) - 1);
+        r.acc >>= used;
+        r.n -= used;
         return Some((u64::from(ones) << k) | low);
     }
     let mut q = 0u64;

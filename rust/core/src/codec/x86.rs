@@ -96,7 +96,7 @@ unsafe fn expand_avx2<T: Word>(old: &[u8], model: &ContextModel, listed: &[usize
         let (v0, v1) = unsafe { context_vectors::<T>(full, shift, mask) };
         let (lo, hi) = min_max(v0, v1);
         let mut changed = 0u64;
-        for c in usize::from(lo).max(first)..=usize::from(hi).min(last) {
+        for c in usize::from(lo).max(first)..usize::from(hi).min(last) + 1 {
             let bit = next[c];
             if bit >= end[c] {
                 continue;
@@ -271,9 +271,9 @@ unsafe fn ranks_avx2<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32
             next += 1;
         }
         let (lo, hi) = min_max(v0, v1);
-        for c in lo.max(first)..=hi.min(last) {
-            if ahead[usize::from(c)] > 0 {
-                counts[usize::from(c)] += elements(c).count_ones();
+        for c in usize::from(lo.max(first))..usize::from(hi.min(last)) + 1 {
+            if ahead[c] > 0 {
+                counts[c] += elements(c as u8).count_ones();
             }
         }
     }
