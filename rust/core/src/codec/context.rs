@@ -111,23 +111,26 @@ impl ContextModel {
 /// Adaptive probabilities of the ulp steps, per context.
 const UNARY: usize = 8;
 
+/// Per context, one row of probabilities: the sign (by the old value's
+/// sign), then the unary magnitude decisions. One row per context keeps a
+/// change's probabilities in one cache line.
 struct StepModel {
-    sign: Vec<[u16; 2]>,
-    magnitude: Vec<[u16; UNARY]>,
+    rows: Vec<[u16; 2 + UNARY]>,
 }
 
 impl StepModel {
     fn new(contexts: usize) -> Self {
-        StepModel { sign: vec![[PROB_INIT; 2]; contexts], magnitude: vec![[PROB_INIT; UNARY]; contexts] }
+        StepModel { rows: vec![[PROB_INIT; 2 + UNARY]; contexts] }
     }
 
     #[inline(always)]
     fn encode(&mut self, rc: &mut RangeEncoder, ctx: usize, old_sign: usize, step: i64) {
-        rc.bit_unpredictable(&mut self.sign[ctx][old_sign], step < 0);
+        let row = &mut self.rows[ctx];
+        rc.bit_unpredictable(&mut row[old_sign & 1], step < 0);
         let v = step.unsigned_abs() - 1; // steps are never 0
         for i in 0..UNARY {
             let more = v > i as u64;
-            rc.bit(&mut self.magnitude[ctx][i], more);
+            rc.bit(&mut row[2 + i], more);
             if !more {
                 return;
             }
@@ -140,11 +143,13 @@ impl StepModel {
 
     #[inline(always)]
     fn decode(&mut self, rc: &mut RangeDecoder<'_>, ctx: usize, old_sign: usize) -> Option<i64> {
-        let negative = rc.bit_unpredictable(&mut self.sign[ctx][old_sign]);
-        let mut v = 0u64;
-        while (v as usize) < UNARY && rc.bit(&mut self.magnitude[ctx][v as usize]) {
+        let row = &mut self.rows[ctx];
+        let negative = rc.bit_unpredictable(&mut row[old_sign & 1]);
+        let mut v = 0usize;
+        while v < UNARY && rc.bit(&mut row[2 + v]) {
             v += 1;
         }
+        let mut v = v as u64;
         if v as usize == UNARY {
             let nbits = rc.direct(7) as u32;
             if nbits == 0 || nbits > 64 {
