@@ -7,15 +7,27 @@
 //!   steps, whether an element changes depends strongly on it.
 //! - **Positions**: per context, the changes are gap-coded within that
 //!   context's own subsequence of elements, with a Rice code whose parameter
-//!   is chosen per context (or, in dense contexts, one flag bit per element).
+//!   is chosen per context (or, in dense contexts, one flag bit per element
+//!   up to the context's last change).
 //! - **Values**: the distance between old and new in representable steps
 //!   (ulps; exact integer arithmetic on an order-preserving map of the bit
 //!   pattern), in element order, through an adaptive binary range coder
 //!   whose probabilities are kept per context (sign also by the old sign;
 //!   magnitude in unary, escaping to Elias-gamma).
 //!
-//! One pass over the chunk on each side, no sorting. Exact for every bit
-//! pattern: the ordinal map is a bijection on words.
+//! No sorting. Exact for every bit pattern: the ordinal map is a bijection
+//! on words.
+//!
+//! Speed: the element-at-a-time walks (a counter per context on the
+//! encoder, a countdown per context on the decoder) are kept as the
+//! portable path and the tests' oracle. On x86-64 with AVX2 and a fast
+//! BMI2 (`codec::x86`) both sides work 64 elements at a time: the encoder
+//! counts each context's elements with one compare and popcount per
+//! context present in a block; the decoder first turns each context's
+//! position stream into a bitmap over the context's own elements, then
+//! deposits the next flags of each context present onto its elements with
+//! `pdep`, and last decodes the ulp steps of the changes it found, in
+//! element order.
 
 use super::range::{RangeDecoder, RangeEncoder, PROB_INIT};
 use super::streams::{get_varint, put_stream, put_varint, StreamReader};
@@ -415,7 +427,6 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
     put_stream(&mut out, &values, level);
     out
 }
-
 
 /// Decode a context-coded payload against the chunk's base bytes `old`.
 /// Returns the changes as XOR masks or new words (by `kind`).

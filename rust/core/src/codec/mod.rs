@@ -199,7 +199,8 @@ fn changed_lanes<T: Word>(d: u64) -> u64 {
 
 /// Scan 64 words at a time: a branch-free compare builds a bitmask of the
 /// changed words, whose set bits are then visited; unchanged blocks cost one
-/// compare of their bytes.
+/// compare of their bytes. On x86-64 with AVX2, `x86::scan` does the same
+/// with vector compares (this one is its reference).
 fn scan<T: Word>(old: &[u8], new: &[u8], kind: ChangeKind, out: &mut SparseChanges) {
     #[cfg(target_arch = "x86_64")]
     if T::BYTES <= 4 && x86::available() {

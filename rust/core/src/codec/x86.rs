@@ -1,13 +1,20 @@
-//! Block-wise position decoding for x86-64 with AVX2 and BMI2.
+//! Block-wise kernels for x86-64 with AVX2 and BMI2: the change scan, and
+//! the context mode's ranks (encoder) and positions (decoder).
 //!
 //! The chunk is walked in blocks of 64 elements. For each block the context
-//! of every element is computed into 64 bytes; for each listed context
-//! present in the block, one compare gives the mask `m` of its elements,
-//! `k = popcount(m)` of them, whose changed flags are the next `k` bits of
-//! the context's rank bitmap; `pdep` deposits those bits onto `m`. The
-//! union over contexts marks the block's changed elements. No per-element
-//! branches and no per-element state in memory: the cost is set by the
-//! contexts per block, hardly by the number of changes.
+//! of every element is computed into 64 bytes (two vectors); for each
+//! context present in the block (and with changes), one compare gives the
+//! mask `m` of its elements, `k = popcount(m)` of them. The encoder adds
+//! `k` to the context's count (a change's rank is the count plus the
+//! elements of its context before it in the block). The decoder takes the
+//! next `k` bits of the context's rank bitmap, its changed flags, and
+//! `pdep` deposits them onto `m`; the union over contexts marks the block's
+//! changed elements. No per-element branches and no per-element state in
+//! memory: the cost is set by the contexts per block, hardly by the number
+//! of changes.
+//!
+//! Each kernel has a portable twin (`codec::scan`, `context::ranks_reference`,
+//! `context::decode_reference`) that the tests hold it to.
 
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
@@ -34,10 +41,12 @@ fn slow_pdep() -> bool {
     // and 1 always do.
     #[allow(unsafe_code, unused_unsafe)]
     let (vendor, signature) = unsafe { (__cpuid(0), __cpuid(1)) };
-    let amd = (vendor.ebx, vendor.edx, vendor.ecx) == (0x6874_7541, 0x6974_6e65, 0x444d_4163); // "AuthenticAMD"
+    let vendor = (vendor.ebx, vendor.edx, vendor.ecx);
+    let amd = vendor == (0x6874_7541, 0x6974_6e65, 0x444d_4163); // "AuthenticAMD"
+    let hygon = vendor == (0x6f67_7948, 0x6e65_476e, 0x656e_6975); // "HygonGenuine" (Zen 1)
     let base = (signature.eax >> 8) & 0xf;
     let family = if base == 0xf { base + ((signature.eax >> 20) & 0xff) } else { base };
-    amd && family < 0x19
+    hygon || (amd && family < 0x19)
 }
 
 /// Spare slots at the end of the positions buffer (see `expand_avx2`).
