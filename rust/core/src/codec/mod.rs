@@ -206,6 +206,10 @@ fn scan<T: Word>(old: &[u8], new: &[u8], kind: ChangeKind, out: &mut SparseChang
     if T::BYTES <= 4 && x86::available() {
         return x86::scan::<T>(old, new, kind, out);
     }
+    scan_portable::<T>(old, new, kind, out)
+}
+
+fn scan_portable<T: Word>(old: &[u8], new: &[u8], kind: ChangeKind, out: &mut SparseChanges) {
     const BLOCK: usize = 64;
     let w = T::BYTES;
     let n = old.len() / w;

@@ -94,7 +94,15 @@ proptest! {
                 });
             }
         }
-        prop_assert_eq!(find_changes(&old, &new, width, kind).unwrap(), expected);
+        prop_assert_eq!(&find_changes(&old, &new, width, kind).unwrap(), &expected);
+        let mut portable = SparseChanges::default();
+        match width {
+            1 => scan_portable::<u8>(&old, &new, kind, &mut portable),
+            2 => scan_portable::<u16>(&old, &new, kind, &mut portable),
+            4 => scan_portable::<u32>(&old, &new, kind, &mut portable),
+            _ => scan_portable::<u64>(&old, &new, kind, &mut portable),
+        }
+        prop_assert_eq!(portable, expected);
     }
 
     #[test]
