@@ -270,7 +270,7 @@ unsafe fn ranks_avx2<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32
                 & valid
         };
         while let Some(&p) = positions.get(next) {
-            let j = p as usize - start;
+            let j = (p as usize).checked_sub(start).expect("changed positions ascend");
             if j >= len {
                 break;
             }
@@ -286,6 +286,7 @@ unsafe fn ranks_avx2<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32
             }
         }
     }
+    assert_eq!(next, positions.len(), "changed positions lie inside the chunk");
 }
 
 /// `find_changes` for words of up to 4 bytes: 64 words at a time, one
