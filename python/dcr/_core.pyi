@@ -2,11 +2,13 @@
 ``python -m mypy.stubtest dcr._core`` in CI)."""
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, final
 
 __all__ = [
     "BaseMismatchError",
     "CheckpointError",
+    "ComposedDelta",
+    "DeltaSink",
     "CorruptDeltaError",
     "DEFAULT_CHUNK_BYTES",
     "DcrError",
@@ -24,6 +26,7 @@ __all__ = [
     "apply_buffers",
     "apply_changes",
     "apply_file",
+    "block_digest",
     "compare_files",
     "decode_delta",
     "diff_buffers",
@@ -32,6 +35,7 @@ __all__ = [
     "file_digest",
     "find_changes",
     "inspect_file",
+    "moved_digest",
     "publish_delta",
     "receive_delta",
     "relay_main",
@@ -111,6 +115,63 @@ def apply_buffers(
 def digest_buffers(names: list[str], dtypes: list[str], shapes: list[list[int]], bufs: list[_Span]) -> str: ...
 def find_changes(old: _Span, new: _Span, width: int, kind: str = "xor") -> tuple[bytes, bytes]: ...
 def apply_changes(target: _Span, width: int, positions: bytes, values: bytes, kind: str = "xor") -> None: ...
+def block_digest(
+    local: _Span,
+    dtype: str,
+    local_offset: int,
+    shape: list[int],
+    canonical_offset: int,
+    canonical_strides: list[int],
+) -> bytes: ...
+def moved_digest(dtype: str, elements: bytes, old: bytes, new: bytes) -> bytes: ...
+
+@final
+class ComposedDelta:
+    def __new__(
+        cls,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        base_digests: list[bytes],
+        target_digests: list[bytes],
+        *,
+        chunk_bytes: int,
+        base_version: int,
+        target_version: int,
+    ) -> ComposedDelta: ...
+    def header_blob(self) -> bytes: ...
+    @property
+    def base_digest(self) -> str: ...
+    @property
+    def target_digest(self) -> str: ...
+    @property
+    def delta_id(self) -> str: ...
+    def chunk_words(self, tensor: int) -> int: ...
+    def chunk_frame(
+        self, seq: int, tensor: int, start: int, positions: bytes, xor: bytes, *, zstd_level: int = 1
+    ) -> bytes: ...
+    def trailer_frame(self, n_chunks: int, n_changed: int) -> bytes: ...
+
+@final
+class DeltaSink:
+    @staticmethod
+    def file(path: str | Any) -> DeltaSink: ...
+    @staticmethod
+    def relay(
+        to: str,
+        version: int,
+        *,
+        key_file: str | Any | None = None,
+        standby: list[str] = ...,
+        expect_acks: int = 0,
+        ack_timeout_s: float = 120.0,
+    ) -> DeltaSink: ...
+    @staticmethod
+    def object_store(url: str, *, version: int | None = None, concurrency: int = ...) -> DeltaSink: ...
+    def write(self, blob: bytes) -> None: ...
+    def finish(self) -> dict[str, Any]: ...
+    def abort(self) -> None: ...
+
 def decode_delta(delta: bytes) -> tuple[dict[str, Any], list[tuple[str, int, int, str, bytes, bytes]]]: ...
 def publish_delta(
     delta: str | Any,

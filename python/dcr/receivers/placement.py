@@ -458,6 +458,26 @@ def _tables(pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> list[RunTabl
 # --------------------------------------------------------------------------
 
 
+def scatter_on_device(dst: torch.Tensor, offs: np.ndarray, values: np.ndarray, kind: str, impl: str = "auto") -> None:
+    """``dst.view(-1)[offs] ^= values`` (or ``= values``) for a device tensor of
+    integer words: the dcr CUDA apply kernels (one chunk spanning the tensor),
+    with torch indexing beyond their 2^31-element chunk limit."""
+    flat = dst.reshape(-1)
+    o = torch.from_numpy(np.ascontiguousarray(offs)).to(dst.device, non_blocking=True)
+    tv = torch.from_numpy(np.ascontiguousarray(values)).to(dst.device, non_blocking=True)
+    if 0 < flat.numel() < (1 << 31):
+        from dcr import cuda as dcr_cuda
+
+        counts = torch.tensor([o.numel()], dtype=torch.int64, device=dst.device)
+        fn = dcr_cuda.apply_xor if kind == "xor" else dcr_cuda.apply_overwrite
+        fn(flat, flat.numel(), counts, o.to(torch.int32), tv.view(flat.dtype), impl)
+        return
+    if kind == "xor":
+        flat[o] = flat[o] ^ tv
+    else:
+        flat[o] = tv
+
+
 def _np_values(values: bytes, w: int) -> np.ndarray:
     v = np.frombuffer(values, dtype="<u8")
     return v.astype(_NP_UINT[w]).view(_NP_INT[w]) if w < 8 else v.astype(np.int64)
@@ -588,12 +608,7 @@ class Receiver:
                     else:
                         d[offs] = v
                     continue
-                o = torch.from_numpy(offs).to(dst.device, non_blocking=True)
-                tv = torch.from_numpy(v).to(dst.device, non_blocking=True)
-                if kind == "xor":
-                    dst[o] = dst[o] ^ tv
-                else:
-                    dst[o] = tv
+                scatter_on_device(dst, offs, v, kind)
         t2 = time.perf_counter()
         # every dirty group whole, in one pass of the runtime's loader
         reloaded = [n for g in sorted(dirty_groups) for n in self.placement.groups[g]]

@@ -1,34 +1,101 @@
-//! Time the stages of a diff on two safetensors files (one thread).
-use std::time::Instant;
+//! Time the stages of a diff and an apply on two safetensors files, on one
+//! thread: `cargo run --release -p dcr-core --example profile_diff OLD NEW`.
+//! Prints the median of the repeats for each stage, in GB/s of checkpoint.
+use std::time::{Duration, Instant};
+
 use dcr_core::checkpoint::ReadOnlyCheckpoint;
 use dcr_core::codec::{self, ChangeKind, EncodeOptions};
+use dcr_core::delta::{self, DiffOptions};
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let a = ReadOnlyCheckpoint::open(&args[1]).unwrap();
     let b = ReadOnlyCheckpoint::open(&args[2]).unwrap();
+    let repeats: usize = args.get(3).map_or(15, |r| r.parse().unwrap());
+    let layout = a.layout().clone();
     let (ob, nb) = (a.buffers(), b.buffers());
     let total: usize = ob.iter().map(|x| x.len()).sum();
-    for _ in 0..25 {
-        let t = Instant::now();
-        let mut m = 0;
-        for (o, n) in ob.iter().zip(&nb) {
-            for (oc, nc) in o.chunks(4 << 20).zip(n.chunks(4 << 20)) {
-                m += codec::find_changes(oc, nc, 2, ChangeKind::Xor).unwrap().positions.len();
-            }
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    let base_digests = layout.tensor_digests(&ob);
+    let opts = DiffOptions::default();
+    let mut delta_bytes = Vec::new();
+    delta::diff(&layout, &ob, &nb, &opts, &mut |f| Ok(delta_bytes.extend_from_slice(f)), &mut |_, _| {}).unwrap();
+    let parsed = delta::read_delta(&delta_bytes).unwrap();
+
+    let mut stages: Vec<(&str, Vec<Duration>)> = Vec::new();
+    let mut time = |name: &'static str, f: &mut dyn FnMut()| {
+        let mut v = Vec::new();
+        for _ in 0..repeats {
+            let t = Instant::now();
+            f();
+            v.push(t.elapsed());
         }
-        let scan = t.elapsed();
-        let t = Instant::now();
-        let mut bytes = 0;
-        for (o, n) in ob.iter().zip(&nb) {
-            for (oc, nc) in o.chunks(4 << 20).zip(n.chunks(4 << 20)) {
-                if let Some(c) = codec::encode_chunk(oc, nc, 2, EncodeOptions::default()).unwrap() {
-                    bytes += c.payload.len();
+        stages.push((name, v));
+    };
+    pool.install(|| {
+        time("read old + new (bound)", &mut || {
+            let mut acc = 0u64;
+            for (o, n) in ob.iter().zip(&nb) {
+                for (x, y) in o.chunks_exact(8).zip(n.chunks_exact(8)) {
+                    acc |= u64::from_le_bytes(x.try_into().unwrap()) ^ u64::from_le_bytes(y.try_into().unwrap());
                 }
             }
+            std::hint::black_box(acc);
+        });
+        time("digest (full pass)", &mut || {
+            std::hint::black_box(layout.tensor_digests(&ob));
+        });
+        time("change scan", &mut || {
+            for (t, (o, n)) in layout.tensors().iter().zip(ob.iter().zip(&nb)) {
+                let w = t.dtype.word_bytes();
+                for (oc, nc) in o.chunks(4 << 20).zip(n.chunks(4 << 20)) {
+                    std::hint::black_box(codec::find_changes(oc, nc, w, ChangeKind::Xor).unwrap());
+                }
+            }
+        });
+        time("scan + chunk encode", &mut || {
+            for (t, (o, n)) in layout.tensors().iter().zip(ob.iter().zip(&nb)) {
+                let w = t.dtype.word_bytes();
+                for (oc, nc) in o.chunks(4 << 20).zip(n.chunks(4 << 20)) {
+                    std::hint::black_box(codec::encode_chunk(oc, nc, w, EncodeOptions::default()).unwrap());
+                }
+            }
+        });
+        time("diff, base digests known", &mut || {
+            let mut n = 0usize;
+            delta::diff_from(&layout, &ob, &nb, Some(&base_digests), &opts, &mut |f| Ok(n += f.len()), &mut |_, _| {}).unwrap();
+        });
+        time("diff, base digested", &mut || {
+            let mut n = 0usize;
+            delta::diff(&layout, &ob, &nb, &opts, &mut |f| Ok(n += f.len()), &mut |_, _| {}).unwrap();
+        });
+    });
+    // Apply: each repeat starts from a fresh copy of the base (copy not timed).
+    let mut work: Vec<Vec<u8>> = ob.iter().map(|b| b.to_vec()).collect();
+    let mut time_apply = |name: &'static str, known: bool| {
+        let mut v = Vec::new();
+        for _ in 0..repeats {
+            for (w, o) in work.iter_mut().zip(&ob) {
+                w.copy_from_slice(o);
+            }
+            let mut targets: Vec<&mut [u8]> = work.iter_mut().map(|w| &mut w[..]).collect();
+            let t = Instant::now();
+            pool.install(|| delta::apply_from(&parsed, &layout, &mut targets, known.then_some(&base_digests[..])).unwrap());
+            v.push(t.elapsed());
         }
-        let enc = t.elapsed();
-        println!("{total} bytes, {m} changed: scan {:?} ({:.2} GB/s), encode {:?} ({:.2} GB/s), {bytes} payload",
-            scan, total as f64 / scan.as_secs_f64() / 1e9, enc, total as f64 / enc.as_secs_f64() / 1e9);
+        stages.push((name, v));
+    };
+    time_apply("apply, base digests known", true);
+    time_apply("apply, base digested", false);
+
+    println!("{} tensors, {total} bytes, {} changed, delta {} bytes; one thread, median of {repeats}", layout.len(), parsed.trailer.n_changed, delta_bytes.len());
+    for (name, v) in stages {
+        let m = median(v);
+        println!("  {name:<28} {:>9.3} ms  {:>6.2} GB/s", m.as_secs_f64() * 1e3, total as f64 / m.as_secs_f64() / 1e9);
     }
 }

@@ -7,13 +7,12 @@ use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
 use safetensors::SafeTensors;
-use xxhash_rust::xxh3::{xxh3_128, Xxh3};
+use xxhash_rust::xxh3::Xxh3;
 
 use crate::dtype::DType;
 use crate::error::{short_hex, Error, Result};
 
-/// xxh3-128 of stored bytes, little endian.
-pub type Digest = [u8; 16];
+pub use crate::digest::Digest;
 
 pub fn digest_hex(d: &Digest) -> String {
     d.iter().map(|b| format!("{b:02x}")).collect()
@@ -23,9 +22,9 @@ pub fn digest_short(d: &Digest) -> String {
     short_hex(d)
 }
 
-/// Digest of one tensor's stored bytes.
-pub fn tensor_digest(bytes: &[u8]) -> Digest {
-    xxh3_128(bytes).to_le_bytes()
+/// Digest of one tensor's stored bytes (see [`crate::digest`]).
+pub fn tensor_digest(bytes: &[u8], dtype: DType) -> Digest {
+    crate::digest::tensor_digest(bytes, dtype.word_bytes())
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -96,7 +95,7 @@ impl Layout {
     pub fn checkpoint_digest(&self, tensor_digests: &[Digest]) -> Digest {
         assert_eq!(tensor_digests.len(), self.tensors.len());
         let mut h = Xxh3::new();
-        h.update(b"dcr-checkpoint-v1");
+        h.update(b"dcr-checkpoint-v2");
         h.update(&(self.tensors.len() as u64).to_le_bytes());
         for (t, d) in self.tensors.iter().zip(tensor_digests) {
             h.update(&(t.name.len() as u64).to_le_bytes());
@@ -108,6 +107,13 @@ impl Layout {
             h.update(d);
         }
         h.digest128().to_le_bytes()
+    }
+
+    /// Digest of every tensor (buffers in canonical order); tensors in
+    /// parallel and large tensors in parallel blocks.
+    pub fn tensor_digests(&self, buffers: &[&[u8]]) -> Vec<Digest> {
+        assert_eq!(buffers.len(), self.tensors.len());
+        self.tensors.par_iter().zip(buffers.par_iter()).map(|(t, b)| tensor_digest(b, t.dtype)).collect()
     }
 
     /// Check that `other` has the same names, dtypes and shapes.
@@ -149,10 +155,6 @@ impl Layout {
     }
 }
 
-/// Digests of every tensor, hashed in parallel.
-pub fn tensor_digests(buffers: &[&[u8]]) -> Vec<Digest> {
-    buffers.par_iter().map(|b| tensor_digest(b)).collect()
-}
 
 /// A safetensors file viewed in canonical order through a memory map.
 pub struct SafetensorsFile<M> {
@@ -216,7 +218,7 @@ impl<M: std::ops::Deref<Target = [u8]>> SafetensorsFile<M> {
         self.ranges.iter().map(|r| &self.map[r.clone()]).collect()
     }
     pub fn digests(&self) -> Vec<Digest> {
-        tensor_digests(&self.buffers())
+        self.layout.tensor_digests(&self.buffers())
     }
     pub fn checkpoint_digest(&self) -> Digest {
         self.layout.checkpoint_digest(&self.digests())

@@ -6,7 +6,10 @@ use std::collections::HashSet;
 
 use rayon::prelude::*;
 
-use crate::checkpoint::{digest_hex, digest_short, tensor_digests, Digest, Layout};
+use std::sync::atomic::Ordering;
+
+use crate::checkpoint::{digest_hex, digest_short, Digest, Layout};
+use crate::digest::DigestSum;
 use crate::codec::{self, ChangeKind, DecodedChunk, EncodeOptions, Mode};
 use crate::error::{Error, Result};
 use crate::format::{self, chunk_words, ChunkFrame, DeltaHeader, Frame, Trailer};
@@ -103,14 +106,13 @@ pub fn diff(
     sink: &mut dyn FnMut(&[u8]) -> Result<()>,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<DeltaStats> {
-    if opts.chunk_bytes == 0 || opts.chunk_bytes > format::MAX_CHUNK_BYTES {
-        return Err(Error::Invalid(format!("chunk size must be 1..={} bytes, got {}", format::MAX_CHUNK_BYTES, opts.chunk_bytes)));
-    }
-    layout.check_buffers(old.iter().map(|b| b.len()))?;
-    layout.check_buffers(new.iter().map(|b| b.len()))?;
-    let (old_d, new_d) = rayon::join(|| tensor_digests(old), || tensor_digests(new));
-    let base_digest = if opts.dense { ANY_BASE } else { layout.checkpoint_digest(&old_d) };
-    let target_digest = layout.checkpoint_digest(&new_d);
+    diff_from(layout, old, new, None, opts, sink, progress)
+}
+
+/// The header of the delta with these digests and options (`base_digest`:
+/// the base's checkpoint digest, or [`ANY_BASE`]).
+pub fn make_header(layout: &Layout, base_digest: Digest, target_tensor_digests: &[Digest], opts: &DiffOptions) -> DeltaHeader {
+    let target_digest = layout.checkpoint_digest(target_tensor_digests);
     let delta_id = DeltaHeader::compute_id(
         &base_digest,
         &target_digest,
@@ -119,7 +121,7 @@ pub fn diff(
         opts.chunk_bytes,
         &[opts.kind as u8, opts.mode as u8, opts.dense as u8],
     );
-    let header = DeltaHeader {
+    DeltaHeader {
         delta_id,
         base_digest,
         target_digest,
@@ -127,7 +129,74 @@ pub fn diff(
         target_version: opts.target_version,
         chunk_bytes: opts.chunk_bytes,
         layout: layout.clone(),
+    }
+}
+
+/// Changes found by the first pass, kept for the encoding pass while they
+/// fit in this many bytes (beyond it chunks are scanned again).
+const KEPT_CHANGES_BYTES: usize = 256 << 20;
+
+/// [`diff`] with the base's tensor digests already known (a publisher keeps
+/// them from the previous version): then nothing but the change scan reads
+/// the unchanged bytes. The target digests are the base digests moved by
+/// the changes (see [`crate::digest`]).
+pub fn diff_from(
+    layout: &Layout,
+    old: &[&[u8]],
+    new: &[&[u8]],
+    base_digests: Option<&[Digest]>,
+    opts: &DiffOptions,
+    sink: &mut dyn FnMut(&[u8]) -> Result<()>,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<DeltaStats> {
+    if opts.chunk_bytes == 0 || opts.chunk_bytes > format::MAX_CHUNK_BYTES {
+        return Err(Error::Invalid(format!("chunk size must be 1..={} bytes, got {}", format::MAX_CHUNK_BYTES, opts.chunk_bytes)));
+    }
+    layout.check_buffers(old.iter().map(|b| b.len()))?;
+    layout.check_buffers(new.iter().map(|b| b.len()))?;
+    if let Some(d) = base_digests {
+        if d.len() != layout.len() {
+            return Err(Error::Invalid(format!("{} base digests for {} tensors", d.len(), layout.len())));
+        }
+    }
+    let units = plan(layout, opts.chunk_bytes)?;
+    let width = |u: &Unit| layout.tensors()[u.tensor].dtype.word_bytes();
+    let byte_range = |u: &Unit| (u.start as usize * width(u))..((u.start + u.len) as usize * width(u));
+
+    // Pass 1: the digests. A dense delta names no base, so its target is
+    // digested in full; otherwise the base digests (given or computed) move
+    // by the changes, which are kept for pass 2 while they fit.
+    let (base_digest, new_d, mut kept) = if opts.dense {
+        (ANY_BASE, layout.tensor_digests(new), Vec::new())
+    } else {
+        let old_d = match base_digests {
+            Some(d) => d.to_vec(),
+            None => layout.tensor_digests(old),
+        };
+        let budget = std::sync::atomic::AtomicUsize::new(KEPT_CHANGES_BYTES);
+        let found: Vec<(DigestSum, Option<codec::SparseChanges>)> = units
+            .par_iter()
+            .map(|u| {
+                let r = byte_range(u);
+                let xor = codec::find_changes(&old[u.tensor][r.clone()], &new[u.tensor][r.clone()], width(u), ChangeKind::Xor)?;
+                let moved = xor.digest_moved_by_xor(&old[u.tensor][r], width(u), u.start);
+                let cost = xor.positions.len() * 12;
+                let keep = budget
+                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |left| left.checked_sub(cost))
+                    .is_ok();
+                Ok((moved, keep.then_some(xor)))
+            })
+            .collect::<Result<_>>()?;
+        let mut sums: Vec<DigestSum> = old_d.iter().map(DigestSum::from_digest).collect();
+        let mut kept = Vec::with_capacity(units.len());
+        for (u, (moved, xor)) in units.iter().zip(found) {
+            sums[u.tensor] = sums[u.tensor].plus(moved);
+            kept.push(xor);
+        }
+        (layout.checkpoint_digest(&old_d), sums.iter().map(DigestSum::digest).collect::<Vec<_>>(), kept)
     };
+    let header = make_header(layout, base_digest, &new_d, opts);
+    let target_digest = header.target_digest;
     let mut stats = DeltaStats {
         base_digest,
         target_digest,
@@ -149,18 +218,23 @@ pub fn diff(
     emit(&format::preamble(), &mut stats)?;
     emit(&header.to_frame(), &mut stats)?;
 
-    let units = plan(layout, opts.chunk_bytes)?;
+    // Pass 2: encode, in batches, frames out in order.
     let enc = EncodeOptions { kind: opts.kind, zstd_level: opts.zstd_level };
     let batch = (rayon::current_num_threads() * 4).max(4);
     let total_bytes = stats.total_bytes;
     let mut done_bytes = 0u64;
     let mut seq = 0u32;
-    for group in units.chunks(batch) {
+    for (k, group) in units.chunks(batch).enumerate() {
+        let group_kept: Vec<Option<codec::SparseChanges>> = match kept.get_mut(k * batch..k * batch + group.len()) {
+            Some(slots) => slots.iter_mut().map(Option::take).collect(),
+            None => vec![None; group.len()],
+        };
         let encoded: Vec<Result<Option<codec::EncodedChunk>>> = group
             .par_iter()
-            .map(|u| {
-                let w = layout.tensors()[u.tensor].dtype.word_bytes();
-                let range = (u.start as usize * w)..((u.start + u.len) as usize * w);
+            .zip(group_kept)
+            .map(|(u, xor)| {
+                let w = width(u);
+                let range = byte_range(u);
                 if opts.dense {
                     return Ok(Some(codec::EncodedChunk {
                         encoding: codec::Encoding::Raw,
@@ -171,7 +245,15 @@ pub fn diff(
                 }
                 let model = (opts.mode == Mode::Context)
                     .then(|| codec::context::ContextModel::for_dtype(layout.tensors()[u.tensor].dtype));
-                codec::encode_chunk_with_context(&old[u.tensor][range.clone()], &new[u.tensor][range], w, enc, model.as_ref())
+                let (o, n) = (&old[u.tensor][range.clone()], &new[u.tensor][range]);
+                let xor = match xor {
+                    Some(x) => x,
+                    None => codec::find_changes(o, n, w, ChangeKind::Xor)?,
+                };
+                if xor.positions.is_empty() {
+                    return Ok(None);
+                }
+                Ok(Some(codec::encode_found(o, n, w, enc, model.as_ref(), xor)))
             })
             .collect();
         for (u, e) in group.iter().zip(encoded) {
@@ -382,8 +464,20 @@ fn split_targets<'t, 'c>(
 /// restore the base (XOR chunks are re-applied, overwritten bytes put back)
 /// and fail naming the tensors.
 pub fn apply(delta: &Delta, layout: &Layout, targets: &mut [&mut [u8]]) -> Result<ApplyOutcome> {
+    apply_from(delta, layout, targets, None)
+}
+
+/// [`apply`] with the target's tensor digests already known (a receiver
+/// that committed them and vouches that nothing else wrote the target since):
+/// no full pass over the target. The target digests are verified as the
+/// known digests moved by the words each chunk wrote.
+pub fn apply_from(delta: &Delta, layout: &Layout, targets: &mut [&mut [u8]], known_base: Option<&[Digest]>) -> Result<ApplyOutcome> {
     layout.check_buffers(targets.iter().map(|t| t.len()))?;
-    let digests = tensor_digests(&targets.iter().map(|t| &**t).collect::<Vec<_>>());
+    let digests = match known_base {
+        Some(d) if d.len() == layout.len() => d.to_vec(),
+        Some(d) => return Err(Error::Invalid(format!("{} known base digests for {} tensors", d.len(), layout.len()))),
+        None => layout.tensor_digests(&targets.iter().map(|t| &**t).collect::<Vec<_>>()),
+    };
     if check_base(&delta.header, layout, &digests)? {
         return Ok(ApplyOutcome::AlreadyAtTarget);
     }
@@ -395,23 +489,27 @@ pub fn apply(delta: &Delta, layout: &Layout, targets: &mut [&mut [u8]]) -> Resul
         .map(|(c, range)| decode_against(c, range, layout, &targets[c.tensor as usize][range.clone()]))
         .collect::<Result<_>>()?;
     let mut slices = split_targets(targets, &order);
-    let saved: Vec<Option<DecodedChunk>> = slices
+    let done: Vec<(Option<DecodedChunk>, DigestSum)> = slices
         .par_iter_mut()
         .zip(decoded.par_iter())
         .zip(order.par_iter())
         .map(|((slice, d), (c, _))| {
             let undo = (c.kind == ChangeKind::Overwrite).then(|| d.capture(slice));
-            d.apply(slice, c.kind);
-            undo
+            let moved = d.apply_tracked(slice, c.kind, c.start);
+            (undo, moved)
         })
         .collect();
     drop(slices);
-    let after = tensor_digests(&targets.iter().map(|t| &**t).collect::<Vec<_>>());
+    let mut sums: Vec<DigestSum> = digests.iter().map(DigestSum::from_digest).collect();
+    for ((c, _), (_, moved)) in order.iter().zip(&done) {
+        sums[c.tensor as usize] = sums[c.tensor as usize].plus(*moved);
+    }
+    let saved: Vec<Option<DecodedChunk>> = done.into_iter().map(|(u, _)| u).collect();
     let bad: Vec<String> = layout
         .tensors()
         .iter()
-        .zip(after.iter().zip(&delta.trailer.tensor_digests))
-        .filter(|(_, (a, b))| a != b)
+        .zip(sums.iter().zip(&delta.trailer.tensor_digests))
+        .filter(|(_, (a, b))| a.digest() != **b)
         .map(|(t, _)| t.name.clone())
         .collect();
     if !bad.is_empty() {
@@ -424,7 +522,7 @@ pub fn apply(delta: &Delta, layout: &Layout, targets: &mut [&mut [u8]]) -> Resul
             },
         );
         drop(slices);
-        let restored = tensor_digests(&targets.iter().map(|t| &**t).collect::<Vec<_>>());
+        let restored = layout.tensor_digests(&targets.iter().map(|t| &**t).collect::<Vec<_>>());
         if restored != digests {
             let lost: Vec<_> = layout.tensors().iter().zip(restored.iter().zip(&digests)).filter(|(_, (a, b))| a != b).collect();
             return Err(Error::RollbackFailed { count: lost.len(), first: lost[0].0.name.clone() });
@@ -488,6 +586,8 @@ pub struct StreamApplier<'t> {
     layout: Layout,
     targets: Vec<&'t mut [u8]>,
     base_digests: Vec<Digest>,
+    /// Base digests moved by the words written so far.
+    moved: Vec<DigestSum>,
     applied: Vec<(usize, std::ops::Range<usize>, ChangeKind, DecodedChunk, Option<DecodedChunk>)>,
     seen: HashSet<u32>,
     changed: u64,
@@ -536,9 +636,24 @@ impl<'t> StreamApplier<'t> {
     /// Start from the header blob. `Ok(None)`: the target already holds the
     /// delta's target version (nothing to do).
     pub fn begin(header_blob: &[u8], layout: &Layout, targets: Vec<&'t mut [u8]>) -> Result<Option<Self>> {
+        Self::begin_from(header_blob, layout, targets, None)
+    }
+
+    /// [`StreamApplier::begin`] with the target's digests already known (see
+    /// [`apply_from`]).
+    pub fn begin_from(
+        header_blob: &[u8],
+        layout: &Layout,
+        targets: Vec<&'t mut [u8]>,
+        known_base: Option<&[Digest]>,
+    ) -> Result<Option<Self>> {
         let header = parse_header_blob(header_blob)?;
         layout.check_buffers(targets.iter().map(|t| t.len()))?;
-        let base_digests = tensor_digests(&targets.iter().map(|t| &**t).collect::<Vec<_>>());
+        let base_digests = match known_base {
+            Some(d) if d.len() == layout.len() => d.to_vec(),
+            Some(d) => return Err(Error::Invalid(format!("{} known base digests for {} tensors", d.len(), layout.len()))),
+            None => layout.tensor_digests(&targets.iter().map(|t| &**t).collect::<Vec<_>>()),
+        };
         if check_base(&header, layout, &base_digests)? {
             return Ok(None);
         }
@@ -546,6 +661,7 @@ impl<'t> StreamApplier<'t> {
             header,
             layout: layout.clone(),
             targets,
+            moved: base_digests.iter().map(DigestSum::from_digest).collect(),
             base_digests,
             applied: Vec::new(),
             seen: HashSet::new(),
@@ -571,7 +687,8 @@ impl<'t> StreamApplier<'t> {
         let slice = &mut self.targets[t][range.clone()];
         let decoded = decode_against(&c, &range, &self.layout, slice)?;
         let undo = (c.kind == ChangeKind::Overwrite).then(|| decoded.capture(slice));
-        decoded.apply(slice, c.kind);
+        let moved = decoded.apply_tracked(slice, c.kind, c.start);
+        self.moved[t] = self.moved[t].plus(moved);
         self.changed += u64::from(c.n_changed);
         self.applied.push((t, range, c.kind, decoded, undo));
         Ok(())
@@ -586,13 +703,12 @@ impl<'t> StreamApplier<'t> {
                 _ => return Err(Error::corrupt("trailer blob", "not a trailer frame")),
             };
             check_trailer(&self.header, &trailer, self.seen.len() as u32)?;
-            let after = tensor_digests(&self.targets.iter().map(|t| &**t).collect::<Vec<_>>());
             let bad: Vec<String> = self
                 .layout
                 .tensors()
                 .iter()
-                .zip(after.iter().zip(&trailer.tensor_digests))
-                .filter(|(_, (a, b))| a != b)
+                .zip(self.moved.iter().zip(&trailer.tensor_digests))
+                .filter(|(_, (a, b))| a.digest() != **b)
                 .map(|(t, _)| t.name.clone())
                 .collect();
             if bad.is_empty() {
@@ -619,7 +735,7 @@ impl<'t> StreamApplier<'t> {
                 (ChangeKind::Overwrite, None) => unreachable!("overwrite chunks always capture"),
             }
         }
-        let restored = tensor_digests(&self.targets.iter().map(|t| &**t).collect::<Vec<_>>());
+        let restored = self.layout.tensor_digests(&self.targets.iter().map(|t| &**t).collect::<Vec<_>>());
         if restored != self.base_digests {
             let lost: Vec<_> = self.layout.tensors().iter().zip(restored.iter().zip(&self.base_digests)).filter(|(_, (a, b))| a != b).collect();
             return Err(Error::RollbackFailed { count: lost.len(), first: lost[0].0.name.clone() });

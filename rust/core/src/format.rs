@@ -16,7 +16,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 pub const MAGIC: &[u8; 8] = b"DCRDELTA";
-pub const FORMAT_VERSION: u16 = 1;
+pub const FORMAT_VERSION: u16 = 2;
 pub const PREAMBLE_LEN: usize = 10;
 /// Largest frame body accepted (a chunk's payload is bounded by its input
 /// range, at most `MAX_CHUNK_BYTES`, plus stream headers).
@@ -31,7 +31,7 @@ const MAX_DIMS: usize = 16;
 
 const TAG_HEADER: u8 = b'H';
 const TAG_CHUNK: u8 = b'C';
-const TAG_TRAILER: u8 = b'T';
+pub const TAG_TRAILER: u8 = b'T';
 const FRAME_OVERHEAD: usize = 1 + 4 + 4;
 pub const CHUNK_FIXED: usize = 8 + 4 + 4 + 8 + 4 + 4 + 4 + 4;
 
@@ -98,7 +98,7 @@ impl DeltaHeader {
         extra: &[u8],
     ) -> Digest {
         let mut h = xxhash_rust::xxh3::Xxh3::new();
-        h.update(b"dcr-delta-v1");
+        h.update(b"dcr-delta-v2");
         h.update(base);
         h.update(target);
         h.update(&base_version.to_le_bytes());

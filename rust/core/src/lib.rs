@@ -13,6 +13,7 @@ pub mod checkpoint;
 pub mod codec;
 pub mod commit;
 pub mod delta;
+pub mod digest;
 pub mod dtype;
 pub mod error;
 pub mod files;
@@ -21,6 +22,7 @@ pub mod journal;
 pub mod net;
 pub mod receiver;
 pub mod relay;
+pub mod sharded;
 #[cfg(feature = "objstore")]
 pub mod objstore;
 

@@ -31,7 +31,7 @@ use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
 
-use crate::checkpoint::{digest_short, tensor_digests, Digest, Layout, WritableCheckpoint};
+use crate::checkpoint::{digest_short, Digest, Layout, WritableCheckpoint};
 use crate::codec::{self, DecodedChunk, Encoding, Mode};
 use crate::delta::{check_chunk, decode_against, Delta, ANY_BASE};
 use crate::error::{Error, Result};
@@ -593,7 +593,7 @@ pub fn refit<I: JournalIo + Clone>(
     let mut fresh_prepared = None;
     let mut hashed = None;
     if let Some(r) = j.state().refit.clone() {
-        let found = layout.checkpoint_digest(&tensor_digests(&target.buffers()));
+        let found = layout.checkpoint_digest(&layout.tensor_digests(&target.buffers()));
         let same = same_refit(&r.plan);
         let mid_refit = found != r.plan.base_digest && found != h.target_digest;
         let whole = any_base || found == h.base_digest || found == h.target_digest;
@@ -626,7 +626,7 @@ pub fn refit<I: JournalIo + Clone>(
         // below ends a refit in flight that it replaced).
         let found = match hashed {
             Some(d) => d,
-            None => layout.checkpoint_digest(&tensor_digests(&target.buffers())),
+            None => layout.checkpoint_digest(&layout.tensor_digests(&target.buffers())),
         };
         let st = j.state().clone();
         // Whether the journal already records the target as this version.
@@ -774,7 +774,7 @@ pub fn refit<I: JournalIo + Clone>(
     drop(stored);
 
     // Verify, then commit or roll back.
-    let after = tensor_digests(&target.buffers());
+    let after = layout.tensor_digests(&target.buffers());
     let bad: Vec<String> = layout
         .tensors()
         .iter()
@@ -887,7 +887,7 @@ fn roll_back<I: JournalIo + Clone>(
         });
     }
     target.flush_ranges(&spans)?;
-    let restored = layout.checkpoint_digest(&tensor_digests(&target.buffers()));
+    let restored = layout.checkpoint_digest(&layout.tensor_digests(&target.buffers()));
     if restored != plan.base_digest {
         return fail(
             j,

@@ -4,6 +4,7 @@
 #![deny(unsafe_code)]
 
 mod errors;
+mod sharded;
 mod transport;
 
 use std::collections::HashMap;
@@ -337,7 +338,7 @@ fn digest_buffers(py: Python<'_>, names: Vec<String>, dtypes: Vec<String>, shape
     let s = slices(&bufs);
     let s: Vec<&[u8]> = order.iter().map(|&i| s[i]).collect();
     layout.check_buffers(s.iter().map(|b| b.len())).map_err(to_py)?;
-    Ok(py.detach(|| digest_hex(&layout.checkpoint_digest(&dcr_core::checkpoint::tensor_digests(&s)))))
+    Ok(py.detach(|| digest_hex(&layout.checkpoint_digest(&layout.tensor_digests(&s)))))
 }
 
 /// The CPU reference of the GPU diff kernel: changed positions (uint32 LE
@@ -744,6 +745,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(refit_file, m)?)?;
     m.add_function(wrap_pyfunction!(receiver_status, m)?)?;
     m.add_function(wrap_pyfunction!(decode_delta, m)?)?;
+    m.add_function(wrap_pyfunction!(sharded::block_digest, m)?)?;
+    m.add_function(wrap_pyfunction!(sharded::moved_digest, m)?)?;
+    m.add_function(wrap_pyfunction!(sharded::scan_and_project, m)?)?;
+    m.add_function(wrap_pyfunction!(sharded::sort_records, m)?)?;
+    m.add_class::<sharded::ComposedDelta>()?;
+    m.add_class::<sharded::DeltaSink>()?;
     m.add_function(wrap_pyfunction!(transport::publish_delta, m)?)?;
     m.add_function(wrap_pyfunction!(transport::receive_delta, m)?)?;
     m.add_function(wrap_pyfunction!(transport::relay_main, m)?)?;

@@ -18,6 +18,7 @@ pub mod streams;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+use crate::digest::{DigestSum, WordChange};
 use crate::error::{Error, Result};
 use streams::{get_varint, put_stream, put_varint, StreamReader};
 
@@ -137,10 +138,31 @@ fn lane_mask(width: usize) -> u64 {
     }
 }
 
+#[inline(always)]
+fn write_word(dst: &mut [u8], v: u64) {
+    match dst.len() {
+        1 => dst[0] = v as u8,
+        2 => dst.copy_from_slice(&(v as u16).to_le_bytes()),
+        4 => dst.copy_from_slice(&(v as u32).to_le_bytes()),
+        8 => dst.copy_from_slice(&v.to_le_bytes()),
+        n => dst.copy_from_slice(&v.to_le_bytes()[..n]),
+    }
+}
+
+#[inline(always)]
 fn read_word(bytes: &[u8]) -> u64 {
-    let mut w = [0u8; 8];
-    w[..bytes.len()].copy_from_slice(bytes);
-    u64::from_le_bytes(w)
+    // Fixed-size loads: a variable-length copy would be a memcpy call.
+    match bytes.len() {
+        1 => u64::from(bytes[0]),
+        2 => u64::from(u16::from_le_bytes([bytes[0], bytes[1]])),
+        4 => u64::from(u32::from_le_bytes(bytes.try_into().expect("4 bytes"))),
+        8 => u64::from_le_bytes(bytes.try_into().expect("8 bytes")),
+        n => {
+            let mut w = [0u8; 8];
+            w[..n].copy_from_slice(bytes);
+            u64::from_le_bytes(w)
+        }
+    }
 }
 
 fn check_width(width: usize) -> Result<()> {
@@ -199,17 +221,8 @@ fn changed_lanes<T: Word>(d: u64) -> u64 {
 
 /// Scan 64 words at a time: a branch-free compare builds a bitmask of the
 /// changed words, whose set bits are then visited; unchanged blocks cost one
-/// compare of their bytes. On x86-64 with AVX2, `x86::scan` does the same
-/// with vector compares (this one is its reference).
+/// compare of their bytes.
 fn scan<T: Word>(old: &[u8], new: &[u8], kind: ChangeKind, out: &mut SparseChanges) {
-    #[cfg(target_arch = "x86_64")]
-    if T::BYTES <= 4 && x86::available() {
-        return x86::scan::<T>(old, new, kind, out);
-    }
-    scan_portable::<T>(old, new, kind, out)
-}
-
-fn scan_portable<T: Word>(old: &[u8], new: &[u8], kind: ChangeKind, out: &mut SparseChanges) {
     const BLOCK: usize = 64;
     let w = T::BYTES;
     let n = old.len() / w;
@@ -250,6 +263,117 @@ fn scan_portable<T: Word>(old: &[u8], new: &[u8], kind: ChangeKind, out: &mut Sp
     visit(tail, a, b, mask, out);
 }
 
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod scan_avx2 {
+    //! The change scan with AVX2: 32 bytes of each side per compare; the
+    //! byte mask of differing words is visited bit by bit.
+    use super::{ChangeKind, SparseChanges, Word};
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn scan(old: &[u8], new: &[u8], width: usize, kind: ChangeKind, out: &mut SparseChanges) {
+        match width {
+            1 => scan_words::<u8>(old, new, kind, out),
+            2 => scan_words::<u16>(old, new, kind, out),
+            4 => scan_words::<u32>(old, new, kind, out),
+            _ => scan_words::<u64>(old, new, kind, out),
+        }
+    }
+
+    /// Bit `k` set when word `k` of the 64 words at `pa`/`pb` differs.
+    /// (No closures: they would not inherit the AVX2 target feature.)
+    #[inline(always)]
+    unsafe fn block_mask(pa: *const u8, pb: *const u8, width: usize) -> u64 {
+        macro_rules! eq {
+            ($k:expr, $cmp:ident) => {
+                $cmp(_mm256_loadu_si256(pa.add(32 * $k).cast()), _mm256_loadu_si256(pb.add(32 * $k).cast()))
+            };
+        }
+        let mut same = 0u64;
+        match width {
+            1 => {
+                same = (_mm256_movemask_epi8(eq!(0, _mm256_cmpeq_epi8)) as u32 as u64)
+                    | ((_mm256_movemask_epi8(eq!(1, _mm256_cmpeq_epi8)) as u32 as u64) << 32);
+            }
+            2 => {
+                // Saturating packs keep -1 / 0 per word; the permute fixes the lane order.
+                let lo = _mm256_permute4x64_epi64(
+                    _mm256_packs_epi16(eq!(0, _mm256_cmpeq_epi16), eq!(1, _mm256_cmpeq_epi16)),
+                    0b11_01_10_00,
+                );
+                let hi = _mm256_permute4x64_epi64(
+                    _mm256_packs_epi16(eq!(2, _mm256_cmpeq_epi16), eq!(3, _mm256_cmpeq_epi16)),
+                    0b11_01_10_00,
+                );
+                same = (_mm256_movemask_epi8(lo) as u32 as u64) | ((_mm256_movemask_epi8(hi) as u32 as u64) << 32);
+            }
+            4 => {
+                let mut k = 0;
+                while k < 8 {
+                    same |= (_mm256_movemask_ps(_mm256_castsi256_ps(eq!(k, _mm256_cmpeq_epi32))) as u64) << (8 * k);
+                    k += 1;
+                }
+            }
+            _ => {
+                let mut k = 0;
+                while k < 16 {
+                    same |= (_mm256_movemask_pd(_mm256_castsi256_pd(eq!(k, _mm256_cmpeq_epi64))) as u64) << (4 * k);
+                    k += 1;
+                }
+            }
+        }
+        !same
+    }
+
+    #[inline(always)]
+    unsafe fn scan_words<T: Word>(old: &[u8], new: &[u8], kind: ChangeKind, out: &mut SparseChanges) {
+        let width = T::BYTES;
+        let n = old.len() / width;
+        let blocks = n / 64;
+        let (pa, pb) = (old.as_ptr(), new.as_ptr());
+        let positions = &mut out.positions;
+        let mut len = positions.len();
+        for blk in 0..blocks {
+            let mut m = block_mask(pa.add(blk * 64 * width), pb.add(blk * 64 * width), width);
+            if m == 0 {
+                continue;
+            }
+            let cnt = m.count_ones() as usize;
+            if positions.capacity() < len + 64 {
+                positions.reserve(len + 64 + (n - blk * 64) / 16 - positions.len());
+            }
+            // Branch-free: write eight candidates, keep `cnt` of them.
+            let dst = positions.as_mut_ptr().add(len);
+            let base = (blk * 64) as u32;
+            for j in 0..8 {
+                *dst.add(j) = base + m.trailing_zeros();
+                m &= m.wrapping_sub(1);
+            }
+            for j in 8..cnt {
+                *dst.add(j) = base + m.trailing_zeros();
+                m &= m.wrapping_sub(1);
+            }
+            len += cnt;
+            positions.set_len(len);
+        }
+        for i in blocks * 64..n {
+            if old[i * width..(i + 1) * width] != new[i * width..(i + 1) * width] {
+                positions.push(i as u32);
+            }
+        }
+        let overwrite = kind == ChangeKind::Overwrite;
+        let mut values = Vec::with_capacity(out.positions.len());
+        for &p in &out.positions {
+            // In bounds: every position is below n.
+            let x = T::load(std::slice::from_raw_parts(pa.add(p as usize * width), width));
+            let y = T::load(std::slice::from_raw_parts(pb.add(p as usize * width), width));
+            values.push(if overwrite { y } else { x ^ y });
+        }
+        out.values = values;
+    }
+}
+
 /// Find the words that differ between `old` and `new` (same length, a
 /// multiple of `width`).
 pub fn find_changes(old: &[u8], new: &[u8], width: usize, kind: ChangeKind) -> Result<SparseChanges> {
@@ -265,6 +389,15 @@ pub fn find_changes(old: &[u8], new: &[u8], width: usize, kind: ChangeKind) -> R
         return Err(Error::Invalid(format!("a chunk holds at most {} words", u32::MAX)));
     }
     let mut out = SparseChanges::default();
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // Safety: the CPU supports AVX2 (checked just above).
+        #[allow(unsafe_code)]
+        unsafe {
+            scan_avx2::scan(old, new, width, kind, &mut out)
+        };
+        return Ok(out);
+    }
     match width {
         1 => scan::<u8>(old, new, kind, &mut out),
         2 => scan::<u16>(old, new, kind, &mut out),
@@ -338,19 +471,7 @@ fn encode_dense(values: &[u8], width: usize, level: i32) -> Vec<u8> {
 /// Encode the changes between `old` and `new` (one chunk). `None` when the
 /// chunk did not change.
 pub fn encode_chunk(old: &[u8], new: &[u8], width: usize, opts: EncodeOptions) -> Result<Option<EncodedChunk>> {
-    let changes = find_changes(old, new, width, ChangeKind::Xor)?;
-    if changes.positions.is_empty() {
-        return Ok(None);
-    }
-    let changes = match opts.kind {
-        ChangeKind::Xor => changes,
-        ChangeKind::Overwrite => SparseChanges {
-            values: changes.positions.iter().map(|&p| read_word(&new[p as usize * width..][..width])).collect(),
-            positions: changes.positions,
-        },
-    };
-    let n = old.len() / width;
-    Ok(Some(encode_changes(&changes, n, width, opts, || dense_values(old, new, opts.kind))))
+    encode_chunk_with_context(old, new, width, opts, None)
 }
 
 /// Encode a chunk, trying the context-aware mode too when `model` is given
@@ -362,22 +483,33 @@ pub fn encode_chunk_with_context(
     opts: EncodeOptions,
     model: Option<&context::ContextModel>,
 ) -> Result<Option<EncodedChunk>> {
-    let Some(model) = model else { return encode_chunk(old, new, width, opts) };
     let xor = find_changes(old, new, width, ChangeKind::Xor)?;
     if xor.positions.is_empty() {
         return Ok(None);
     }
+    Ok(Some(encode_found(old, new, width, opts, model, xor)))
+}
+
+/// Encode a chunk whose XOR changes were already found (non-empty).
+pub fn encode_found(
+    old: &[u8],
+    new: &[u8],
+    width: usize,
+    opts: EncodeOptions,
+    model: Option<&context::ContextModel>,
+    xor: SparseChanges,
+) -> EncodedChunk {
     let n = old.len() / width;
     let m = xor.positions.len();
-    let ctx_payload = context::encode(old, new, &xor, model, opts.zstd_level);
+    let ctx_payload = model.map(|model| context::encode(old, new, &xor, model, opts.zstd_level));
     // The free mode wins on small chunks, where the context mode's fixed
     // overhead dominates; on larger ones the context payload is far smaller
     // (0.6-0.85 against 1.1-1.5 bytes per change on the fp32-master and bf16
     // training pairs; the free mode never won a chunk of 256 changes or more
     // whose context payload stayed within a byte per change). So the free
     // mode, which costs as much time as the context mode, is skipped there.
-    if m >= 256 && ctx_payload.len() <= m {
-        return Ok(Some(EncodedChunk { encoding: Encoding::Sparse, mode: Mode::Context, n_changed: m as u32, payload: ctx_payload }));
+    if let Some(ctx) = ctx_payload.as_ref().filter(|ctx| m >= 256 && ctx.len() <= m) {
+        return EncodedChunk { encoding: Encoding::Sparse, mode: Mode::Context, n_changed: m as u32, payload: ctx.clone() };
     }
     let changes = match opts.kind {
         ChangeKind::Xor => xor,
@@ -387,11 +519,31 @@ pub fn encode_chunk_with_context(
         },
     };
     let free = encode_changes(&changes, n, width, opts, || dense_values(old, new, opts.kind));
-    Ok(Some(if ctx_payload.len() < free.payload.len() {
-        EncodedChunk { encoding: Encoding::Sparse, mode: Mode::Context, n_changed: m as u32, payload: ctx_payload }
-    } else {
-        free
-    }))
+    match ctx_payload {
+        Some(ctx) if ctx.len() < free.payload.len() => {
+            EncodedChunk { encoding: Encoding::Sparse, mode: Mode::Context, n_changed: m as u32, payload: ctx }
+        }
+        _ => free,
+    }
+}
+
+impl SparseChanges {
+    /// How a tensor's digest moves when these XOR changes are applied to
+    /// `old` (the chunk's bytes; the chunk starts at `first_element`).
+    pub fn digest_moved_by_xor(&self, old: &[u8], width: usize, first_element: u64) -> DigestSum {
+        let changes: Vec<WordChange> = self
+            .positions
+            .iter()
+            .zip(&self.values)
+            .map(|(&p, &x)| {
+                let o = read_word(&old[p as usize * width..][..width]);
+                WordChange { element: first_element + u64::from(p), old: o, new: o ^ x }
+            })
+            .collect();
+        let mut moved = DigestSum::ZERO;
+        moved.changes(width, &changes);
+        moved
+    }
 }
 
 /// Encode changes already found (e.g. by a GPU compaction kernel). `dense`
@@ -563,24 +715,43 @@ impl DecodedChunk {
     /// Apply in place. `target` must be the chunk's range (n words); the
     /// positions were bounds-checked while decoding.
     pub fn apply(&self, target: &mut [u8], kind: ChangeKind) {
+        let _ = self.apply_tracked(target, kind, 0);
+    }
+
+    /// Apply in place and return how the tensor's digest moved: the sum of
+    /// `h(new) - h(old)` over the words written, `first_element` being the
+    /// chunk's first element within its tensor.
+    pub fn apply_tracked(&self, target: &mut [u8], kind: ChangeKind, first_element: u64) -> DigestSum {
         let width = self.width;
+        let mut written = Vec::with_capacity(match &self.inner {
+            Decoded::Sparse { positions, .. } => positions.len(),
+            Decoded::Full(v) => v.len() / width,
+        });
+        let mut write = |word: &mut [u8], element: u64, value: u64| {
+            let old = read_word(word);
+            let new = match kind {
+                ChangeKind::Xor => old ^ value,
+                ChangeKind::Overwrite => value,
+            };
+            write_word(word, new);
+            written.push(WordChange { element, old, new });
+        };
         match &self.inner {
             Decoded::Sparse { positions, planes } => {
                 for (i, &p) in positions.iter().enumerate() {
-                    let word = &mut target[p as usize * width..][..width];
-                    for (j, plane) in planes.iter().enumerate() {
-                        match kind {
-                            ChangeKind::Xor => word[j] ^= plane[i],
-                            ChangeKind::Overwrite => word[j] = plane[i],
-                        }
-                    }
+                    let value = planes.iter().enumerate().fold(0u64, |v, (j, plane)| v | (u64::from(plane[i]) << (8 * j)));
+                    write(&mut target[p as usize * width..][..width], first_element + u64::from(p), value);
                 }
             }
-            Decoded::Full(values) => match kind {
-                ChangeKind::Xor => target.iter_mut().zip(values).for_each(|(t, v)| *t ^= v),
-                ChangeKind::Overwrite => target.copy_from_slice(values),
-            },
+            Decoded::Full(values) => {
+                for (i, (word, v)) in target.chunks_exact_mut(width).zip(values.chunks_exact(width)).enumerate() {
+                    write(word, first_element + i as u64, read_word(v));
+                }
+            }
         }
+        let mut moved = DigestSum::ZERO;
+        moved.changes(width, &written);
+        moved
     }
 
     /// The target's current bytes at this chunk's positions, as a chunk that
@@ -657,7 +828,7 @@ pub fn apply_changes(target: &mut [u8], width: usize, kind: ChangeKind, changes:
             ChangeKind::Xor => read_word(word) ^ v,
             ChangeKind::Overwrite => v,
         };
-        word.copy_from_slice(&new.to_le_bytes()[..width]);
+        write_word(word, new);
     }
     Ok(())
 }

@@ -97,10 +97,10 @@ proptest! {
         prop_assert_eq!(&find_changes(&old, &new, width, kind).unwrap(), &expected);
         let mut portable = SparseChanges::default();
         match width {
-            1 => scan_portable::<u8>(&old, &new, kind, &mut portable),
-            2 => scan_portable::<u16>(&old, &new, kind, &mut portable),
-            4 => scan_portable::<u32>(&old, &new, kind, &mut portable),
-            _ => scan_portable::<u64>(&old, &new, kind, &mut portable),
+            1 => scan::<u8>(&old, &new, kind, &mut portable),
+            2 => scan::<u16>(&old, &new, kind, &mut portable),
+            4 => scan::<u32>(&old, &new, kind, &mut portable),
+            _ => scan::<u64>(&old, &new, kind, &mut portable),
         }
         prop_assert_eq!(portable, expected);
     }
@@ -321,6 +321,44 @@ fn context_mode_special_patterns_are_exact() {
         let new: Vec<u8> = f32s.iter().flat_map(|&(_, b)| to_word(b)).collect();
         for kind in [ChangeKind::Xor, ChangeKind::Overwrite] {
             context_round_trip(&old, &new, dtype, kind).unwrap();
+        }
+    }
+}
+
+/// The vectorised scan (used when the CPU has AVX2) and the portable scan
+/// find the same changes, for every width, density and ragged tail.
+#[test]
+fn vectorised_and_portable_scans_agree() {
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    let mut rnd = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    for width in [1usize, 2, 4, 8] {
+        for words in [0usize, 1, 63, 64, 65, 1000, 4099] {
+            for per_mille in [0u64, 10, 300, 1000] {
+                let old: Vec<u8> = (0..words * width).map(|_| rnd() as u8).collect();
+                let mut new = old.clone();
+                for i in 0..words {
+                    if rnd() % 1000 < per_mille {
+                        let b = (rnd() as usize) % width;
+                        new[i * width + b] ^= 1 << (rnd() % 8);
+                    }
+                }
+                for kind in [ChangeKind::Xor, ChangeKind::Overwrite] {
+                    let got = find_changes(&old, &new, width, kind).unwrap();
+                    let mut want = SparseChanges::default();
+                    match width {
+                        1 => super::scan::<u8>(&old, &new, kind, &mut want),
+                        2 => super::scan::<u16>(&old, &new, kind, &mut want),
+                        4 => super::scan::<u32>(&old, &new, kind, &mut want),
+                        _ => super::scan::<u64>(&old, &new, kind, &mut want),
+                    }
+                    assert_eq!(got, want, "width {width}, {words} words, {per_mille}/1000");
+                }
+            }
         }
     }
 }

@@ -1,5 +1,5 @@
-//! Block-wise kernels for x86-64 with AVX2 and BMI2: the change scan, and
-//! the context mode's ranks (encoder) and positions (decoder).
+//! Block-wise kernels of the context mode for x86-64 with AVX2 and BMI2:
+//! ranks (encoder) and positions (decoder).
 //!
 //! The chunk is walked in blocks of 64 elements. For each block the context
 //! of every element is computed into 64 bytes (two vectors); for each
@@ -13,14 +13,14 @@
 //! memory: the cost is set by the contexts per block, hardly by the number
 //! of changes.
 //!
-//! Each kernel has a portable twin (`codec::scan`, `context::ranks_reference`,
+//! Each kernel has a portable twin (`context::ranks_reference`,
 //! `context::decode_reference`) that the tests hold it to.
 
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
 use super::context::{ContextModel, RankBitmaps};
-use super::{ChangeKind, SparseChanges, Word};
+use super::Word;
 
 /// Whether this CPU runs the block-wise decoder well: AVX2, BMI2 and
 /// POPCNT present, and `pdep` not microcoded (AMD before Zen 3 takes
@@ -287,66 +287,4 @@ unsafe fn ranks_avx2<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32
         }
     }
     assert_eq!(next, positions.len(), "changed positions lie inside the chunk");
-}
-
-/// `find_changes` for words of up to 4 bytes: 64 words at a time, one
-/// compare per 32 bytes gives a mask of the words that differ.
-pub(super) fn scan<T: Word>(old: &[u8], new: &[u8], kind: ChangeKind, out: &mut SparseChanges) {
-    assert!(available() && T::BYTES <= 4, "the caller checks the CPU and the width");
-    // Safety: the CPU has the features `scan_avx2` is compiled for (checked
-    // just above).
-    #[allow(unsafe_code)]
-    unsafe {
-        scan_avx2::<T>(old, new, kind, out)
-    }
-}
-
-/// Compiled with AVX2 and BMI2: may only run where `available()`.
-#[allow(unsafe_code)]
-#[target_feature(enable = "avx2,bmi1,bmi2,popcnt")]
-unsafe fn scan_avx2<T: Word>(old: &[u8], new: &[u8], kind: ChangeKind, out: &mut SparseChanges) {
-    const B: usize = 64;
-    let w = T::BYTES;
-    let n = old.len() / w;
-    let visit = |start: usize, mut mask: u64, out: &mut SparseChanges| {
-        while mask != 0 {
-            let i = start + mask.trailing_zeros() as usize;
-            mask &= mask - 1;
-            let (x, y) = (T::load(&old[i * w..(i + 1) * w]), T::load(&new[i * w..(i + 1) * w]));
-            out.positions.push(i as u32);
-            out.values.push(match kind {
-                ChangeKind::Xor => x ^ y,
-                ChangeKind::Overwrite => y,
-            });
-        }
-    };
-    let blocks = n / B;
-    for b in 0..blocks {
-        let range = b * B * w..(b + 1) * B * w;
-        let (x, y) = (&old[range.clone()], &new[range]);
-        // Safety: `x` and `y` hold 64 words, `2 * w` vectors of 32 bytes.
-        let mut equal = 0u64;
-        for v in 0..2 * w {
-            let (a, c) = unsafe {
-                (
-                    _mm256_loadu_si256((x.as_ptr() as *const __m256i).add(v)),
-                    _mm256_loadu_si256((y.as_ptr() as *const __m256i).add(v)),
-                )
-            };
-            // One mask bit per byte; keep one per word.
-            let bytes = match w {
-                1 => _mm256_movemask_epi8(_mm256_cmpeq_epi8(a, c)) as u32 as u64,
-                2 => _pext_u64(_mm256_movemask_epi8(_mm256_cmpeq_epi16(a, c)) as u32 as u64, 0x5555_5555),
-                _ => _pext_u64(_mm256_movemask_epi8(_mm256_cmpeq_epi32(a, c)) as u32 as u64, 0x1111_1111),
-            };
-            equal |= bytes << (v * 32 / w);
-        }
-        visit(b * B, !equal, out);
-    }
-    let tail = blocks * B;
-    let mut mask = 0u64;
-    for (i, (x, y)) in old[tail * w..].chunks_exact(w).zip(new[tail * w..].chunks_exact(w)).enumerate() {
-        mask |= u64::from(T::load(x) != T::load(y)) << i;
-    }
-    visit(tail, mask, out);
 }

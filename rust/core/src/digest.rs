@@ -1,0 +1,476 @@
+//! Tensor digests that add up.
+//!
+//! A tensor's digest is a sum over its elements, so it can be computed in
+//! pieces and combined in any order:
+//!
+//! - each trainer rank digests only the canonical positions its shard holds
+//!   and the ranks' sums add up to the digest of the gathered tensor;
+//! - a delta's target digest is the base digest plus, at the changed
+//!   positions only, `h(position, new) - h(position, old)`: neither encoder
+//!   nor receiver reads the unchanged bytes to know the new digest;
+//! - one large tensor is digested on all cores.
+//!
+//! Definition (format version 2, docs/format.md). A tensor's stored bytes are
+//! read as *units*: its codec words (1, 2 or 4 bytes, little endian), or two
+//! 4-byte units per 8-byte word (low half first). Unit `u` at unit index `i`
+//! contributes, in each of four 32-bit lanes `l`,
+//!
+//! ```text
+//! h_l(i, u) = fmix32(u ^ (lo32(i) * A_l + fmix32(hi32(i) ^ S_l)))
+//! ```
+//!
+//! (`fmix32` is MurmurHash3's finaliser) and the digest is the four lane
+//! sums modulo 2^32, little endian. For a fixed position `h_l` is a bijection
+//! of the unit, so a change of any single unit changes every lane; two or
+//! more changes collide with probability about 2^-128. Not a cryptographic
+//! hash: it guards against accidents, the transport authenticates peers.
+
+use rayon::prelude::*;
+
+/// 16 bytes: four little-endian 32-bit lane sums.
+pub type Digest = [u8; 16];
+
+const LANES: usize = 4;
+/// Per-lane multipliers of the low 32 bits of the unit index (odd).
+const INDEX_MUL: [u32; LANES] = [0x9E37_79B1, 0x85EB_CA77, 0xC2B2_AE3D, 0x27D4_EB2F];
+/// Per-lane seeds mixed with the high 32 bits of the unit index.
+const SEED: [u32; LANES] = [0x6A09_E667, 0xBB67_AE85, 0x3C6E_F372, 0xA54F_F53A];
+
+/// Units digested per parallel task.
+const BLOCK_UNITS: usize = 1 << 20;
+
+#[inline(always)]
+const fn fmix32(mut x: u32) -> u32 {
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x85EB_CA6B);
+    x ^= x >> 13;
+    x = x.wrapping_mul(0xC2B2_AE35);
+    x ^= x >> 16;
+    x
+}
+
+/// The high keys of units below index 2^32 (nearly every tensor's).
+const LOW_KEYS: [u32; LANES] = [fmix32(SEED[0]), fmix32(SEED[1]), fmix32(SEED[2]), fmix32(SEED[3])];
+
+#[inline(always)]
+fn high_keys(hi: u32) -> [u32; LANES] {
+    if hi == 0 {
+        return LOW_KEYS;
+    }
+    std::array::from_fn(|l| fmix32(hi ^ SEED[l]))
+}
+
+/// `h_l(i, u)` for one unit.
+#[inline(always)]
+fn unit_hash(index: u64, unit: u32) -> [u32; LANES] {
+    let keys = high_keys((index >> 32) as u32);
+    let lo = index as u32;
+    std::array::from_fn(|l| fmix32(unit ^ lo.wrapping_mul(INDEX_MUL[l]).wrapping_add(keys[l])))
+}
+
+/// A digest being accumulated: lane sums that add and subtract.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DigestSum([u32; LANES]);
+
+impl DigestSum {
+    pub const ZERO: DigestSum = DigestSum([0; LANES]);
+
+    pub fn from_digest(d: &Digest) -> Self {
+        DigestSum(std::array::from_fn(|l| u32::from_le_bytes(d[4 * l..4 * l + 4].try_into().expect("4 bytes"))))
+    }
+
+    pub fn digest(&self) -> Digest {
+        let mut d = [0u8; 16];
+        for (l, v) in self.0.iter().enumerate() {
+            d[4 * l..4 * l + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        d
+    }
+
+    #[must_use]
+    pub fn plus(self, other: DigestSum) -> DigestSum {
+        DigestSum(std::array::from_fn(|l| self.0[l].wrapping_add(other.0[l])))
+    }
+
+    #[must_use]
+    pub fn minus(self, other: DigestSum) -> DigestSum {
+        DigestSum(std::array::from_fn(|l| self.0[l].wrapping_sub(other.0[l])))
+    }
+
+    fn add_unit(&mut self, index: u64, unit: u32) {
+        let h = unit_hash(index, unit);
+        for l in 0..LANES {
+            self.0[l] = self.0[l].wrapping_add(h[l]);
+        }
+    }
+
+    fn sub_unit(&mut self, index: u64, unit: u32) {
+        let h = unit_hash(index, unit);
+        for l in 0..LANES {
+            self.0[l] = self.0[l].wrapping_sub(h[l]);
+        }
+    }
+
+    /// Account for one element (word of `word_bytes`, little endian in the
+    /// low bytes of `old`/`new`) at element index `element` changing from
+    /// `old` to `new`.
+    #[inline]
+    pub fn change(&mut self, word_bytes: usize, element: u64, old: u64, new: u64) {
+        if old == new {
+            return;
+        }
+        if word_bytes == 8 {
+            for half in 0..2u64 {
+                let (o, n) = ((old >> (32 * half)) as u32, (new >> (32 * half)) as u32);
+                if o != n {
+                    self.sub_unit(2 * element + half, o);
+                    self.add_unit(2 * element + half, n);
+                }
+            }
+        } else {
+            self.sub_unit(element, old as u32);
+            self.add_unit(element, new as u32);
+        }
+    }
+
+    /// Add one element (a word of `word_bytes`) at element index `element`.
+    pub fn add_word(&mut self, word_bytes: usize, element: u64, word: u64) {
+        if word_bytes == 8 {
+            self.add_unit(2 * element, word as u32);
+            self.add_unit(2 * element + 1, (word >> 32) as u32);
+        } else {
+            self.add_unit(element, word as u32);
+        }
+    }
+
+    /// Add every element of `bytes` (whole words of `word_bytes`), the first
+    /// being element `first_element` of its tensor.
+    pub fn add_words(&mut self, bytes: &[u8], word_bytes: usize, first_element: u64) {
+        *self = self.plus(sum_words(bytes, word_bytes, first_element));
+    }
+}
+
+/// Digest of one tensor's stored bytes (`word_bytes`: the dtype's codec word),
+/// on all of rayon's threads when it is large.
+pub fn tensor_digest(bytes: &[u8], word_bytes: usize) -> Digest {
+    partial_digest(bytes, word_bytes, 0).digest()
+}
+
+/// The digest contribution of a contiguous run of a tensor's elements that
+/// starts at element `first_element` (a shard, a chunk).
+pub fn partial_digest(bytes: &[u8], word_bytes: usize, first_element: u64) -> DigestSum {
+    let block = BLOCK_UNITS * word_bytes.min(4);
+    if bytes.len() <= block {
+        return sum_words(bytes, word_bytes, first_element);
+    }
+    bytes
+        .par_chunks(block)
+        .enumerate()
+        .map(|(k, b)| sum_words(b, word_bytes, first_element + (k * block / word_bytes) as u64))
+        .reduce(|| DigestSum::ZERO, DigestSum::plus)
+}
+
+fn sum_words(bytes: &[u8], word_bytes: usize, first_element: u64) -> DigestSum {
+    debug_assert!(matches!(word_bytes, 1 | 2 | 4 | 8) && bytes.len() % word_bytes == 0);
+    let (unit_bytes, first_unit) = match word_bytes {
+        8 => (4, first_element * 2),
+        w => (w, first_element),
+    };
+    let n = bytes.len() / unit_bytes;
+    let mut acc = DigestSum::ZERO;
+    let mut done = 0usize;
+    // Runs that do not cross a 2^32 boundary of the unit index share the
+    // high keys.
+    while done < n {
+        let index = first_unit + done as u64;
+        let to_boundary = (1u64 << 32) - (index & 0xFFFF_FFFF);
+        let len = (n - done).min(usize::try_from(to_boundary).unwrap_or(usize::MAX));
+        let run = &bytes[done * unit_bytes..(done + len) * unit_bytes];
+        acc = acc.plus(sum_run(run, unit_bytes, index));
+        done += len;
+    }
+    acc
+}
+
+fn sum_run(bytes: &[u8], unit_bytes: usize, first_unit: u64) -> DigestSum {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // Safety: the CPU supports AVX2 (checked just above).
+        #[allow(unsafe_code)]
+        return unsafe { avx2::sum_run(bytes, unit_bytes, first_unit) };
+    }
+    sum_run_portable(bytes, unit_bytes, first_unit)
+}
+
+/// The lane sums of units `first_unit..` of one run (no 2^32 crossing), one
+/// unit at a time: the definition, and the fallback without AVX2.
+fn sum_run_portable(bytes: &[u8], unit_bytes: usize, first_unit: u64) -> DigestSum {
+    let mut sums = DigestSum::ZERO;
+    for (i, u) in bytes.chunks_exact(unit_bytes).enumerate() {
+        let mut w = [0u8; 4];
+        w[..unit_bytes].copy_from_slice(u);
+        sums.add_unit(first_unit + i as u64, u32::from_le_bytes(w));
+    }
+    sums
+}
+
+/// One changed element: its index in the tensor, old and new word.
+#[derive(Clone, Copy, Debug)]
+pub struct WordChange {
+    pub element: u64,
+    pub old: u64,
+    pub new: u64,
+}
+
+impl DigestSum {
+    /// Account for a batch of changed elements (words of `word_bytes`).
+    pub fn changes(&mut self, word_bytes: usize, changes: &[WordChange]) {
+        #[cfg(target_arch = "x86_64")]
+        if word_bytes <= 4 && std::arch::is_x86_feature_detected!("avx2") {
+            // Safety: the CPU supports AVX2 (checked just above).
+            #[allow(unsafe_code)]
+            let moved = unsafe { avx2::moved(changes) };
+            *self = self.plus(moved);
+            return;
+        }
+        for c in changes {
+            self.change(word_bytes, c.element, c.old, c.new);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod avx2 {
+    //! AVX2 kernels: eight 32-bit lanes per instruction.
+    use super::{high_keys, DigestSum, WordChange, INDEX_MUL, LANES, LOW_KEYS};
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    unsafe fn fmix(mut x: __m256i) -> __m256i {
+        x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+        x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x85EB_CA6Bu32 as i32));
+        x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 13));
+        x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0xC2B2_AE35u32 as i32));
+        _mm256_xor_si256(x, _mm256_srli_epi32(x, 16))
+    }
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256i) -> u32 {
+        let mut a = [0u32; 8];
+        _mm256_storeu_si256(a.as_mut_ptr().cast(), v);
+        a.iter().fold(0u32, |s, &x| s.wrapping_add(x))
+    }
+
+    /// Eight units starting at `p` (unit width 1, 2 or 4), widened to u32.
+    #[inline(always)]
+    unsafe fn load8(p: *const u8, unit_bytes: usize) -> __m256i {
+        match unit_bytes {
+            1 => _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast())),
+            2 => _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())),
+            _ => _mm256_loadu_si256(p.cast()),
+        }
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn sum_run(bytes: &[u8], unit_bytes: usize, first_unit: u64) -> DigestSum {
+        let n = bytes.len() / unit_bytes;
+        let full = n / 8 * 8;
+        let keys = high_keys((first_unit >> 32) as u32);
+        let lo0 = first_unit as u32;
+        let steps = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        // Per lane: the key vector of units i..i+8 and its step per 8 units.
+        let mut key = [_mm256_setzero_si256(); LANES];
+        let mut stride = [_mm256_setzero_si256(); LANES];
+        let mut acc = [_mm256_setzero_si256(); LANES];
+        for l in 0..LANES {
+            let a = _mm256_set1_epi32(INDEX_MUL[l] as i32);
+            let idx = _mm256_add_epi32(_mm256_set1_epi32(lo0 as i32), steps);
+            key[l] = _mm256_add_epi32(_mm256_mullo_epi32(idx, a), _mm256_set1_epi32(keys[l] as i32));
+            stride[l] = _mm256_set1_epi32(INDEX_MUL[l].wrapping_mul(8) as i32);
+        }
+        let p = bytes.as_ptr();
+        let mut i = 0;
+        while i < full {
+            let u = load8(p.add(i * unit_bytes), unit_bytes);
+            for l in 0..LANES {
+                acc[l] = _mm256_add_epi32(acc[l], fmix(_mm256_xor_si256(u, key[l])));
+                key[l] = _mm256_add_epi32(key[l], stride[l]);
+            }
+            i += 8;
+        }
+        let mut sums = DigestSum(std::array::from_fn(|l| hsum(acc[l])));
+        let tail = super::sum_run_portable(&bytes[full * unit_bytes..], unit_bytes, first_unit + full as u64);
+        sums = sums.plus(tail);
+        sums
+    }
+
+    /// `sum h(i, new) - h(i, old)` over changes of words up to 4 bytes,
+    /// eight changes per step in each lane.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn moved(changes: &[WordChange]) -> DigestSum {
+        let mut acc = [_mm256_setzero_si256(); LANES];
+        let full = changes.len() / 8 * 8;
+        let mut i = 0;
+        // Elements below 2^32 share the low keys; a batch that reaches past
+        // goes one by one.
+        while i < full {
+            let c = &changes[i..i + 8];
+            if c.iter().any(|x| x.element >> 32 != 0) {
+                break;
+            }
+            let mut idx = [0u32; 8];
+            let mut old = [0u32; 8];
+            let mut new = [0u32; 8];
+            for j in 0..8 {
+                idx[j] = c[j].element as u32;
+                old[j] = c[j].old as u32;
+                new[j] = c[j].new as u32;
+            }
+            let vi = _mm256_loadu_si256(idx.as_ptr().cast());
+            let vo = _mm256_loadu_si256(old.as_ptr().cast());
+            let vn = _mm256_loadu_si256(new.as_ptr().cast());
+            for l in 0..LANES {
+                let k = _mm256_add_epi32(
+                    _mm256_mullo_epi32(vi, _mm256_set1_epi32(INDEX_MUL[l] as i32)),
+                    _mm256_set1_epi32(LOW_KEYS[l] as i32),
+                );
+                let d = _mm256_sub_epi32(fmix(_mm256_xor_si256(vn, k)), fmix(_mm256_xor_si256(vo, k)));
+                acc[l] = _mm256_add_epi32(acc[l], d);
+            }
+            i += 8;
+        }
+        let mut sums = DigestSum(std::array::from_fn(|l| hsum(acc[l])));
+        for c in &changes[i..] {
+            sums.change(4, c.element, c.old, c.new);
+        }
+        sums
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reference(bytes: &[u8], word_bytes: usize, first_element: u64) -> Digest {
+        let mut s = DigestSum::ZERO;
+        for (k, w) in bytes.chunks_exact(word_bytes).enumerate() {
+            let mut word = [0u8; 8];
+            word[..word_bytes].copy_from_slice(w);
+            let word = u64::from_le_bytes(word);
+            let e = first_element + k as u64;
+            if word_bytes == 8 {
+                s.add_unit(2 * e, word as u32);
+                s.add_unit(2 * e + 1, (word >> 32) as u32);
+            } else {
+                s.add_unit(e, word as u32);
+            }
+        }
+        s.digest()
+    }
+
+    fn bytes(n: usize, seed: u64) -> Vec<u8> {
+        let mut x = seed | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    }
+
+    #[test]
+    fn vectorised_sum_matches_the_definition() {
+        for w in [1, 2, 4, 8] {
+            for n in [0, 1, 7, 8, 9, 63, 1000] {
+                let b = bytes(n * w, n as u64 + w as u64);
+                for first in [0u64, 5, (1 << 32) - 3] {
+                    assert_eq!(sum_words(&b, w, first).digest(), reference(&b, w, first), "w={w} n={n} first={first}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn pieces_add_up_to_the_whole() {
+        let w = 2;
+        let b = bytes(3 * BLOCK_UNITS * w + 10, 7);
+        let whole = tensor_digest(&b, w);
+        let cut = 12_345 * w;
+        let sum = partial_digest(&b[..cut], w, 0).plus(partial_digest(&b[cut..], w, (cut / w) as u64));
+        assert_eq!(sum.digest(), whole);
+        assert_eq!(whole, reference(&b, w, 0));
+    }
+
+    #[test]
+    fn a_change_moves_the_digest_by_its_own_delta() {
+        for w in [1usize, 2, 4, 8] {
+            let mut b = bytes(64 * w, 3);
+            let before = DigestSum::from_digest(&tensor_digest(&b, w));
+            let e = 17usize;
+            let mut old = [0u8; 8];
+            old[..w].copy_from_slice(&b[e * w..(e + 1) * w]);
+            let old = u64::from_le_bytes(old);
+            let new = old ^ 0x8000_0000_0000_0001 & (u64::MAX >> (64 - 8 * w));
+            b[e * w..(e + 1) * w].copy_from_slice(&new.to_le_bytes()[..w]);
+            let mut d = before;
+            d.change(w, e as u64, old, new);
+            assert_eq!(d.digest(), tensor_digest(&b, w));
+            assert_ne!(d, before);
+        }
+    }
+
+    #[test]
+    fn every_single_unit_change_changes_every_lane() {
+        let b = bytes(256, 11);
+        let base = DigestSum::from_digest(&tensor_digest(&b, 2));
+        for e in [0usize, 1, 100, 127] {
+            for flip in [1u16, 0x8000, 0x7FFF, 0xFFFF] {
+                let mut c = b.clone();
+                let v = u16::from_le_bytes([c[2 * e], c[2 * e + 1]]) ^ flip;
+                c[2 * e..2 * e + 2].copy_from_slice(&v.to_le_bytes());
+                let d = DigestSum::from_digest(&tensor_digest(&c, 2));
+                for l in 0..LANES {
+                    assert_ne!(d.0[l], base.0[l], "lane {l} e={e} flip={flip:#x}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn batched_changes_equal_one_by_one() {
+        for w in [1usize, 2, 4, 8] {
+            let b = bytes(4096 * w, 13);
+            let changes: Vec<WordChange> = (0..300u64)
+                .map(|k| {
+                    let e = k * 13 % 4096;
+                    let mut o = [0u8; 8];
+                    o[..w].copy_from_slice(&b[e as usize * w..(e as usize + 1) * w]);
+                    let old = u64::from_le_bytes(o);
+                    let new = (old ^ (k * 0x9E37_79B9_7F4A_7C15)) & (u64::MAX >> (64 - 8 * w));
+                    WordChange { element: e + (k % 3) * (1 << 32), old, new }
+                })
+                .collect();
+            let mut batched = DigestSum::ZERO;
+            batched.changes(w, &changes);
+            let mut single = DigestSum::ZERO;
+            for c in &changes {
+                single.change(w, c.element, c.old, c.new);
+            }
+            assert_eq!(batched, single, "w={w}");
+        }
+    }
+
+    #[test]
+    fn swapped_elements_change_the_digest() {
+        let mut b = bytes(128, 5);
+        let d0 = tensor_digest(&b, 4);
+        b.swap(0, 4);
+        b.swap(1, 5);
+        b.swap(2, 6);
+        b.swap(3, 7);
+        assert_ne!(tensor_digest(&b, 4), d0);
+    }
+}

@@ -1,0 +1,392 @@
+//! One delta from the changes of many trainer ranks.
+//!
+//! Each rank scans only its own shard and projects its changed positions
+//! into canonical coordinates (an affine map per contiguous block of the
+//! shard, see `dcr.trainer.layouts`). The pieces here let the ranks compose
+//! the very delta a single process would build from the gathered
+//! checkpoint, byte for byte:
+//!
+//! - digests: a rank digests its own blocks ([`block_digest`]) and moves
+//!   digests by its own changes ([`moved_digest`]); the sums of all ranks are
+//!   the gathered tensor's digests;
+//! - chunks: the changes of one canonical chunk, collected from every rank by
+//!   the chunk's owner, encode to the same frame as in [`crate::delta::diff`]
+//!   ([`chunk_frame`]);
+//! - header and trailer from the summed digests ([`header_blob`],
+//!   [`trailer_frame`]).
+//!
+//! The XOR kind in the context-free mode is composed; the context mode reads
+//! base values across the whole chunk, which no single rank holds.
+
+use crate::checkpoint::{Digest, Layout};
+use crate::codec::{self, ChangeKind, EncodeOptions, Mode, SparseChanges};
+use crate::delta::{make_header, DiffOptions};
+use crate::digest::{partial_digest, DigestSum, WordChange};
+use crate::error::{Error, Result};
+use crate::format::{self, ChunkFrame, DeltaHeader, Trailer};
+
+/// A block of a rank's local tensor, read row-major with `shape` from element
+/// `local_offset`, placed at canonical element
+/// `canonical_offset + sum(u[d] * canonical_strides[d])`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AffineBlock {
+    pub local_offset: u64,
+    pub shape: Vec<u64>,
+    pub canonical_offset: u64,
+    pub canonical_strides: Vec<u64>,
+}
+
+impl AffineBlock {
+    fn numel(&self) -> Result<u64> {
+        self.shape
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| Error::Invalid(format!("block shape {:?} overflows", self.shape)))
+    }
+}
+
+/// The digest contribution of one block of a local tensor (`local`: the
+/// whole local tensor's bytes, words of `word_bytes`).
+pub fn block_digest(local: &[u8], word_bytes: usize, block: &AffineBlock) -> Result<DigestSum> {
+    let rank = block.shape.len();
+    if block.canonical_strides.len() != rank {
+        return Err(Error::Invalid(format!("block has shape {:?} but strides {:?}", block.shape, block.canonical_strides)));
+    }
+    let n = block.numel()?;
+    let end = block.local_offset.checked_add(n).filter(|&e| e * word_bytes as u64 <= local.len() as u64).ok_or_else(|| {
+        Error::Invalid(format!(
+            "block of {n} elements at {} runs past a local tensor of {} elements",
+            block.local_offset,
+            local.len() / word_bytes
+        ))
+    })?;
+    let words = &local[block.local_offset as usize * word_bytes..end as usize * word_bytes];
+    if n == 0 {
+        return Ok(DigestSum::ZERO);
+    }
+    if rank == 0 {
+        return Ok(partial_digest(words, word_bytes, block.canonical_offset));
+    }
+    // Rows along the last dimension: contiguous canonical runs when its
+    // stride is 1, else element by element.
+    let row = block.shape[rank - 1] as usize;
+    let inner_stride = block.canonical_strides[rank - 1];
+    let mut sum = DigestSum::ZERO;
+    let mut index = vec![0u64; rank.saturating_sub(1)];
+    for r in 0..(n as usize / row) {
+        let start = block.canonical_offset + index.iter().zip(&block.canonical_strides).map(|(i, s)| i * s).sum::<u64>();
+        let bytes = &words[r * row * word_bytes..(r + 1) * row * word_bytes];
+        if inner_stride == 1 {
+            sum = sum.plus(partial_digest(bytes, word_bytes, start));
+        } else {
+            for (k, w) in bytes.chunks_exact(word_bytes).enumerate() {
+                let mut b = [0u8; 8];
+                b[..word_bytes].copy_from_slice(w);
+                sum.add_word(word_bytes, start + k as u64 * inner_stride, u64::from_le_bytes(b));
+            }
+        }
+        for d in (0..index.len()).rev() {
+            index[d] += 1;
+            if index[d] < block.shape[d] {
+                break;
+            }
+            index[d] = 0;
+        }
+    }
+    Ok(sum)
+}
+
+/// A block of a local tensor and the canonical tensor it lands in.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Piece {
+    pub tensor: u32,
+    pub block: AffineBlock,
+}
+
+/// The changes of one scanned run of a local tensor, in canonical
+/// coordinates, and what the scan saw locally.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ProjectedChanges {
+    /// Per exported change: canonical tensor, element index, XOR word.
+    pub tensor: Vec<u32>,
+    pub element: Vec<u64>,
+    pub xor: Vec<u64>,
+    /// How each touched canonical tensor's digest moves.
+    pub moved: Vec<(u32, DigestSum)>,
+    /// Every change by its position in the run (exported or padding): the
+    /// baseline update at the commit.
+    pub local: SparseChanges,
+}
+
+/// Scan `old` against `new` (elements `first_local..` of a local tensor,
+/// words of `width`), project each change through `pieces` (sorted by
+/// local offset, disjoint; changes in no piece are not exported) and move
+/// the digests.
+pub fn scan_and_project(old: &[u8], new: &[u8], width: usize, first_local: u64, pieces: &[Piece]) -> Result<ProjectedChanges> {
+    if pieces.windows(2).any(|w| w[0].block.local_offset + w[0].block.numel().unwrap_or(u64::MAX) > w[1].block.local_offset) {
+        return Err(Error::Invalid("pieces must be sorted by local offset and disjoint".into()));
+    }
+    for p in pieces {
+        if p.block.shape.len() != p.block.canonical_strides.len() || p.block.shape.contains(&0) {
+            return Err(Error::Invalid(format!("piece at local offset {} has shape {:?} and strides {:?}", p.block.local_offset, p.block.shape, p.block.canonical_strides)));
+        }
+    }
+    let local = codec::find_changes(old, new, width, ChangeKind::Xor)?;
+    let mut out = ProjectedChanges { local: SparseChanges::default(), ..Default::default() };
+    let mut per_tensor: Vec<(u32, Vec<WordChange>)> = Vec::new();
+    let mut k = 0usize; // current piece
+    for (&p, &x) in local.positions.iter().zip(&local.values) {
+        let at = first_local + u64::from(p);
+        while k < pieces.len() && pieces[k].block.local_offset + pieces[k].block.numel()? <= at {
+            k += 1;
+        }
+        let Some(piece) = pieces.get(k).filter(|q| q.block.local_offset <= at) else { continue };
+        let mut rem = at - piece.block.local_offset;
+        let mut element = piece.block.canonical_offset;
+        for (&dim, &stride) in piece.block.shape.iter().zip(&piece.block.canonical_strides).rev() {
+            element += (rem % dim) * stride;
+            rem /= dim;
+        }
+        let mut w = [0u8; 8];
+        w[..width].copy_from_slice(&old[p as usize * width..(p as usize + 1) * width]);
+        let o = u64::from_le_bytes(w);
+        match per_tensor.last_mut() {
+            Some((t, v)) if *t == piece.tensor => v.push(WordChange { element, old: o, new: o ^ x }),
+            _ => per_tensor.push((piece.tensor, vec![WordChange { element, old: o, new: o ^ x }])),
+        }
+        out.tensor.push(piece.tensor);
+        out.element.push(element);
+        out.xor.push(x);
+    }
+    let mut moved: Vec<(u32, DigestSum)> = Vec::new();
+    for (t, changes) in per_tensor {
+        let d = moved_digest(width, &changes);
+        match moved.iter_mut().find(|(u, _)| *u == t) {
+            Some((_, s)) => *s = s.plus(d),
+            None => moved.push((t, d)),
+        }
+    }
+    out.moved = moved;
+    out.local = local;
+    Ok(out)
+}
+
+/// One change on its way to its chunk's owner, as the ranks exchange it:
+/// packed little-endian tensor u32, element u64, XOR word u64.
+pub const RECORD_BYTES: usize = 20;
+
+/// Sort packed change records by (global chunk id, element) on all cores and
+/// return them with their chunk ids. Chunk `c` of tensor `t` has id
+/// `first_chunk[t] + c`; `chunk_words[t]` is the tensor's chunk size.
+pub fn sort_records(records: &[u8], chunk_words: &[u64], first_chunk: &[u64]) -> Result<(Vec<u8>, Vec<u64>)> {
+    use rayon::prelude::*;
+    if records.len() % RECORD_BYTES != 0 {
+        return Err(Error::Invalid(format!("{} bytes is not a whole number of {RECORD_BYTES}-byte records", records.len())));
+    }
+    let n = records.len() / RECORD_BYTES;
+    let mut keyed: Vec<(u64, u64, u32)> = (0..n)
+        .into_par_iter()
+        .map(|i| {
+            let r = &records[i * RECORD_BYTES..(i + 1) * RECORD_BYTES];
+            let t = u32::from_le_bytes(r[..4].try_into().expect("4 bytes"));
+            let e = u64::from_le_bytes(r[4..12].try_into().expect("8 bytes"));
+            let (Some(&k), Some(&f)) = (chunk_words.get(t as usize), first_chunk.get(t as usize)) else {
+                return Err(Error::Invalid(format!("record {i} names tensor {t} of {}", chunk_words.len())));
+            };
+            Ok((f + e / k.max(1), e, i as u32))
+        })
+        .collect::<Result<_>>()?;
+    // Runs from one scan usually arrive in order already.
+    if !keyed.par_windows(2).all(|w| w[0] <= w[1]) {
+        keyed.par_sort_unstable();
+    } else {
+        return Ok((records.to_vec(), keyed.into_iter().map(|(g, _, _)| g).collect()));
+    }
+    let mut out = vec![0u8; records.len()];
+    out.par_chunks_mut(RECORD_BYTES).zip(keyed.par_iter()).for_each(|(dst, &(_, _, i))| {
+        dst.copy_from_slice(&records[i as usize * RECORD_BYTES..(i as usize + 1) * RECORD_BYTES]);
+    });
+    Ok((out, keyed.into_iter().map(|(g, _, _)| g).collect()))
+}
+
+/// How a tensor's digest moves by these changes (canonical element indices).
+pub fn moved_digest(word_bytes: usize, changes: &[WordChange]) -> DigestSum {
+    let mut d = DigestSum::ZERO;
+    d.changes(word_bytes, changes);
+    d
+}
+
+fn composed_options(chunk_bytes: u32, base_version: u64, target_version: u64) -> DiffOptions {
+    DiffOptions { chunk_bytes, kind: ChangeKind::Xor, mode: Mode::Free, base_version, target_version, ..Default::default() }
+}
+
+/// Preamble and header frame of the composed delta, and its header.
+pub fn header_blob(
+    layout: &Layout,
+    base_digests: &[Digest],
+    target_digests: &[Digest],
+    chunk_bytes: u32,
+    base_version: u64,
+    target_version: u64,
+) -> Result<(Vec<u8>, DeltaHeader)> {
+    if base_digests.len() != layout.len() || target_digests.len() != layout.len() {
+        return Err(Error::Invalid(format!(
+            "{} base and {} target digests for {} tensors",
+            base_digests.len(),
+            target_digests.len(),
+            layout.len()
+        )));
+    }
+    if chunk_bytes == 0 || chunk_bytes > format::MAX_CHUNK_BYTES {
+        return Err(Error::Invalid(format!("chunk size must be 1..={} bytes, got {chunk_bytes}", format::MAX_CHUNK_BYTES)));
+    }
+    let opts = composed_options(chunk_bytes, base_version, target_version);
+    let header = make_header(layout, layout.checkpoint_digest(base_digests), target_digests, &opts);
+    let mut blob = format::preamble().to_vec();
+    blob.extend_from_slice(&header.to_frame());
+    Ok((blob, header))
+}
+
+/// The frame of chunk `start..start+len` (words) of tensor `tensor`, from
+/// its XOR changes gathered from every rank (`positions` relative to the
+/// chunk start, ascending, unique; `xor` non-zero words).
+pub fn chunk_frame(header: &DeltaHeader, seq: u32, tensor: u32, start: u64, changes: SparseChanges, zstd_level: i32) -> Result<Vec<u8>> {
+    let spec = header
+        .layout
+        .tensors()
+        .get(tensor as usize)
+        .ok_or_else(|| Error::Invalid(format!("tensor index {tensor} but the delta has {} tensors", header.layout.len())))?;
+    let width = spec.dtype.word_bytes();
+    let k = header.chunk_words(spec);
+    let words = spec.words()?;
+    if start % k != 0 || start >= words {
+        return Err(Error::Invalid(format!("chunk start {start} is off the grid of {} ({words} words, {k} per chunk)", spec.name)));
+    }
+    let len = k.min(words - start) as usize;
+    if changes.positions.is_empty() || changes.positions.len() != changes.values.len() {
+        return Err(Error::Invalid(format!("chunk {seq}: {} positions and {} values (need as many, at least one)", changes.positions.len(), changes.values.len())));
+    }
+    let mask = if width == 8 { u64::MAX } else { (1u64 << (8 * width)) - 1 };
+    let mut prev = None;
+    for (&p, &v) in changes.positions.iter().zip(&changes.values) {
+        if p as usize >= len || prev.is_some_and(|q| q >= p) || v == 0 || v & !mask != 0 {
+            return Err(Error::Invalid(format!(
+                "chunk {seq} of {}: positions must ascend below {len} with non-zero {width}-byte XOR words (position {p}, word {v:#x})",
+                spec.name
+            )));
+        }
+        prev = Some(p);
+    }
+    let dense = || {
+        let mut out = vec![0u8; len * width];
+        for (&p, &v) in changes.positions.iter().zip(&changes.values) {
+            out[p as usize * width..(p as usize + 1) * width].copy_from_slice(&v.to_le_bytes()[..width]);
+        }
+        out
+    };
+    let opts = EncodeOptions { kind: ChangeKind::Xor, zstd_level };
+    let enc = codec::encode_changes(&changes, len, width, opts, dense);
+    let frame = ChunkFrame {
+        delta_tag: header.tag(),
+        seq,
+        tensor,
+        start,
+        len: len as u32,
+        kind: ChangeKind::Xor,
+        encoding: enc.encoding,
+        mode: enc.mode,
+        n_changed: enc.n_changed,
+        payload: enc.payload,
+    };
+    Ok(frame.to_frame())
+}
+
+/// The trailer frame of the composed delta.
+pub fn trailer_frame(header: &DeltaHeader, n_chunks: u32, n_changed: u64, target_digests: &[Digest]) -> Vec<u8> {
+    Trailer { delta_tag: header.tag(), n_chunks, n_changed, tensor_digests: target_digests.to_vec() }.to_frame()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::TensorSpec;
+    use crate::dtype::DType;
+
+    fn layout() -> Layout {
+        Layout::new(vec![
+            TensorSpec { name: "a".into(), dtype: DType(safetensors::Dtype::BF16), shape: vec![6, 10] },
+            TensorSpec { name: "b".into(), dtype: DType(safetensors::Dtype::F32), shape: vec![7] },
+        ])
+        .unwrap()
+    }
+
+    fn words(n: usize, w: usize, seed: u8) -> Vec<u8> {
+        (0..n * w).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+    }
+
+    #[test]
+    fn column_shards_compose_to_the_gathered_digest_and_delta() {
+        let layout = layout();
+        let old_a = words(60, 2, 1);
+        let mut new_a = old_a.clone();
+        for e in [3usize, 4, 17, 18, 35, 59] {
+            new_a[2 * e] ^= 0x5A;
+        }
+        let old_b = words(7, 4, 9);
+        let new_b = old_b.clone();
+        let mut gathered = Vec::new();
+        let opts = DiffOptions { chunk_bytes: 16, ..Default::default() };
+        crate::delta::diff(&layout, &[&old_a, &old_b], &[&new_a, &new_b], &opts, &mut |f| Ok(gathered.extend_from_slice(f)), &mut |_, _| {}).unwrap();
+
+        // Two ranks hold column halves (Shard(1)) of `a`: local [6, 5] each.
+        let shard = |full: &[u8], r: usize| -> Vec<u8> {
+            (0..6).flat_map(|row| full[(row * 10 + r * 5) * 2..(row * 10 + r * 5 + 5) * 2].to_vec()).collect()
+        };
+        let block = |r: usize| AffineBlock { local_offset: 0, shape: vec![6, 5], canonical_offset: r as u64 * 5, canonical_strides: vec![10, 1] };
+        let base: DigestSum = (0..2).map(|r| block_digest(&shard(&old_a, r), 2, &block(r)).unwrap()).fold(DigestSum::ZERO, DigestSum::plus);
+        assert_eq!(base.digest(), crate::digest::tensor_digest(&old_a, 2));
+        // Transposed view of the same block: canonical strides (1, 10) over local [5, 6].
+        let mut t_local = Vec::new();
+        for c in 0..5usize {
+            for row in 0..6usize {
+                t_local.extend_from_slice(&old_a[(row * 10 + c) * 2..(row * 10 + c) * 2 + 2]);
+            }
+        }
+        let t = AffineBlock { local_offset: 0, shape: vec![5, 6], canonical_offset: 0, canonical_strides: vec![1, 10] };
+        assert_eq!(block_digest(&t_local, 2, &t).unwrap(), block_digest(&shard(&old_a, 0), 2, &block(0)).unwrap());
+
+        let mut all: Vec<(u64, u64, u64)> = Vec::new(); // canonical index, old, new
+        for r in 0..2 {
+            let (o, n) = (shard(&old_a, r), shard(&new_a, r));
+            for k in 0..30usize {
+                let (ow, nw) = (u16::from_le_bytes([o[2 * k], o[2 * k + 1]]), u16::from_le_bytes([n[2 * k], n[2 * k + 1]]));
+                if ow != nw {
+                    all.push(((k / 5 * 10 + r * 5 + k % 5) as u64, ow.into(), nw.into()));
+                }
+            }
+        }
+        all.sort();
+        let moved = moved_digest(2, &all.iter().map(|&(e, o, n)| WordChange { element: e, old: o, new: n }).collect::<Vec<_>>());
+        let target = [base.plus(moved).digest(), crate::digest::tensor_digest(&old_b, 4)];
+        let base_d = [base.digest(), crate::digest::tensor_digest(&old_b, 4)];
+        let (mut composed, header) = header_blob(&layout, &base_d, &target, 16, 0, 1).unwrap();
+        let k = 8u64; // 16-byte chunks of bf16
+        let mut seq = 0;
+        let mut n_changed = 0;
+        for c in 0..(60 / k + 1) {
+            let ch: Vec<_> = all.iter().filter(|e| e.0 / k == c).collect();
+            if ch.is_empty() {
+                continue;
+            }
+            let changes = SparseChanges {
+                positions: ch.iter().map(|e| (e.0 - c * k) as u32).collect(),
+                values: ch.iter().map(|e| e.1 ^ e.2).collect(),
+            };
+            n_changed += ch.len() as u64;
+            composed.extend_from_slice(&chunk_frame(&header, seq, 0, c * k, changes, 1).unwrap());
+            seq += 1;
+        }
+        composed.extend_from_slice(&trailer_frame(&header, seq, n_changed, &target));
+        assert_eq!(composed, gathered);
+    }
+}
