@@ -9,20 +9,25 @@ fn main() {
     let b = ReadOnlyCheckpoint::open(&args[2]).unwrap();
     let (ob, nb) = (a.buffers(), b.buffers());
     let total: usize = ob.iter().map(|x| x.len()).sum();
-    let model = ContextModel::for_dtype(a.layout().tensors()[0].dtype);
+    let dtype = a.layout().tensors()[0].dtype;
+    let model = ContextModel::for_dtype(dtype);
+    let width = dtype.word_bytes();
     let mut best = [f64::MAX; 3];
+    let (mut changed, mut payload) = (0usize, 0usize);
     for _ in 0..15 {
         let t = Instant::now();
         let mut enc = Vec::new();
         for (o, n) in ob.iter().zip(&nb) {
             for (oc, nc) in o.chunks(4 << 20).zip(n.chunks(4 << 20)) {
-                let ch = codec::find_changes(oc, nc, 2, ChangeKind::Xor).unwrap();
+                let ch = codec::find_changes(oc, nc, width, ChangeKind::Xor).unwrap();
                 if !ch.positions.is_empty() {
                     enc.push((oc, ch.positions.len(), context::encode(oc, nc, &ch, &model, 1)));
                 }
             }
         }
         let t_enc = t.elapsed().as_secs_f64();
+        changed = enc.iter().map(|e| e.1).sum();
+        payload = enc.iter().map(|e| e.2.len()).sum();
         let t = Instant::now();
         for (oc, m, p) in &enc {
             context::decode(p, oc, &model, *m as u32, ChangeKind::Xor, "x").unwrap();
@@ -59,5 +64,6 @@ fn main() {
         best_apply = best_apply.min(t.elapsed().as_secs_f64());
     }
     println!("whole diff {:.2} GB/s, whole apply {:.2} GB/s ({} threads)", gb(t_diff), gb(best_apply), rayon::current_num_threads());
+    println!("context payload {payload} bytes for {changed} changed elements: {:.4} bytes per changed element", payload as f64 / changed as f64);
     println!("context encode {:.2} GB/s, decode {:.2} GB/s, plain histogram pass {:.2} GB/s", gb(best[0]), gb(best[1]), gb(best[2]));
 }

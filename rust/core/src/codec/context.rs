@@ -7,15 +7,27 @@
 //!   steps, whether an element changes depends strongly on it.
 //! - **Positions**: per context, the changes are gap-coded within that
 //!   context's own subsequence of elements, with a Rice code whose parameter
-//!   is chosen per context (or, in dense contexts, one flag bit per element).
+//!   is chosen per context (or, in dense contexts, one flag bit per element
+//!   up to the context's last change).
 //! - **Values**: the distance between old and new in representable steps
 //!   (ulps; exact integer arithmetic on an order-preserving map of the bit
 //!   pattern), in element order, through an adaptive binary range coder
 //!   whose probabilities are kept per context (sign also by the old sign;
 //!   magnitude in unary, escaping to Elias-gamma).
 //!
-//! One pass over the chunk on each side, no sorting. Exact for every bit
-//! pattern: the ordinal map is a bijection on words.
+//! No sorting. Exact for every bit pattern: the ordinal map is a bijection
+//! on words.
+//!
+//! Speed: the element-at-a-time walks (a counter per context on the
+//! encoder, a countdown per context on the decoder) are kept as the
+//! portable path and the tests' oracle. On x86-64 with AVX2 and a fast
+//! BMI2 (`codec::x86`) both sides work 64 elements at a time: the encoder
+//! counts each context's elements with one compare and popcount per
+//! context present in a block; the decoder first turns each context's
+//! position stream into a bitmap over the context's own elements, then
+//! deposits the next flags of each context present onto its elements with
+//! `pdep`, and last decodes the ulp steps of the changes it found, in
+//! element order.
 
 use super::range::{RangeDecoder, RangeEncoder, PROB_INIT};
 use super::streams::{get_varint, put_stream, put_varint, StreamReader};
@@ -29,8 +41,8 @@ use safetensors::Dtype;
 pub struct ContextModel {
     width: usize,
     /// Context = (word >> shift) & mask.
-    shift: u32,
-    mask: u64,
+    pub(super) shift: u32,
+    pub(super) mask: u64,
     /// Sign-magnitude floating point: ordinals flip the magnitude of
     /// negative values so that adjacent values differ by one.
     float: bool,
@@ -56,7 +68,7 @@ impl ContextModel {
     }
 
     #[inline(always)]
-    fn context(&self, word: u64) -> usize {
+    pub(super) fn context(&self, word: u64) -> usize {
         ((word >> self.shift) & self.mask) as usize
     }
 
@@ -111,22 +123,26 @@ impl ContextModel {
 /// Adaptive probabilities of the ulp steps, per context.
 const UNARY: usize = 8;
 
+/// Per context, one row of probabilities: the sign (by the old value's
+/// sign), then the unary magnitude decisions. One row per context keeps a
+/// change's probabilities in one cache line.
 struct StepModel {
-    sign: Vec<[u16; 2]>,
-    magnitude: Vec<[u16; UNARY]>,
+    rows: Vec<[u16; 2 + UNARY]>,
 }
 
 impl StepModel {
     fn new(contexts: usize) -> Self {
-        StepModel { sign: vec![[PROB_INIT; 2]; contexts], magnitude: vec![[PROB_INIT; UNARY]; contexts] }
+        StepModel { rows: vec![[PROB_INIT; 2 + UNARY]; contexts] }
     }
 
+    #[inline(always)]
     fn encode(&mut self, rc: &mut RangeEncoder, ctx: usize, old_sign: usize, step: i64) {
-        rc.bit(&mut self.sign[ctx][old_sign], step < 0);
+        let row = &mut self.rows[ctx];
+        rc.bit_unpredictable(&mut row[old_sign & 1], step < 0);
         let v = step.unsigned_abs() - 1; // steps are never 0
         for i in 0..UNARY {
             let more = v > i as u64;
-            rc.bit(&mut self.magnitude[ctx][i], more);
+            rc.bit(&mut row[2 + i], more);
             if !more {
                 return;
             }
@@ -137,12 +153,15 @@ impl StepModel {
         rc.direct(r, nbits - 1);
     }
 
+    #[inline(always)]
     fn decode(&mut self, rc: &mut RangeDecoder<'_>, ctx: usize, old_sign: usize) -> Option<i64> {
-        let negative = rc.bit(&mut self.sign[ctx][old_sign]);
-        let mut v = 0u64;
-        while (v as usize) < UNARY && rc.bit(&mut self.magnitude[ctx][v as usize]) {
+        let row = &mut self.rows[ctx];
+        let negative = rc.bit_unpredictable(&mut row[old_sign & 1]);
+        let mut v = 0usize;
+        while v < UNARY && rc.bit(&mut row[2 + v]) {
             v += 1;
         }
+        let mut v = v as u64;
         if v as usize == UNARY {
             let nbits = rc.direct(7) as u32;
             if nbits == 0 || nbits > 64 {
@@ -168,20 +187,23 @@ impl BitWriter {
     fn new() -> Self {
         BitWriter { out: Vec::new(), acc: 0, n: 0 }
     }
+    /// Append the `bits <= 32` low bits of `value`, least significant first.
     #[inline(always)]
     fn put(&mut self, value: u64, bits: u32) {
-        debug_assert!(bits <= 32);
+        debug_assert!(bits <= 32 && self.n < 32);
         self.acc |= (value & ((1u64 << bits) - 1)) << self.n;
         self.n += bits;
-        while self.n >= 8 {
-            self.out.push(self.acc as u8);
-            self.acc >>= 8;
-            self.n -= 8;
+        if self.n >= 32 {
+            self.out.extend_from_slice(&(self.acc as u32).to_le_bytes());
+            self.acc >>= 32;
+            self.n -= 32;
         }
     }
     fn finish(mut self) -> Vec<u8> {
-        if self.n > 0 {
+        while self.n > 0 {
             self.out.push(self.acc as u8);
+            self.acc >>= 8;
+            self.n = self.n.saturating_sub(8);
         }
         self.out
     }
@@ -198,8 +220,21 @@ impl<'a> BitReader<'a> {
     fn new(buf: &'a [u8]) -> Self {
         BitReader { buf, pos: 0, acc: 0, n: 0 }
     }
+    /// Top up `acc` to more than 55 bits while the buffer lasts. Bits of
+    /// `acc` above `n` may hold the bytes that follow (never anything
+    /// else), so OR-ing those bytes in again leaves them unchanged. Away
+    /// from the end of the buffer this is branch-free: eight bytes are
+    /// loaded and as many whole bytes as fit are counted (`n <= 63` there).
     #[inline(always)]
     fn refill(&mut self) {
+        if let Some(next) = self.buf.get(self.pos..self.pos + 8) {
+            let bytes = u64::from_le_bytes(next.try_into().expect("8 bytes"));
+            self.acc |= bytes << self.n;
+            let take = (63 - self.n) / 8;
+            self.pos += take as usize;
+            self.n += take * 8;
+            return;
+        }
         while self.n <= 56 && self.pos < self.buf.len() {
             self.acc |= u64::from(self.buf[self.pos]) << self.n;
             self.pos += 1;
@@ -223,22 +258,35 @@ impl<'a> BitReader<'a> {
 
 const RICE_ESCAPE: u64 = 32;
 
+#[inline(always)]
 fn put_rice(w: &mut BitWriter, g: u64, k: u32) {
     let q = g >> k;
     if q >= RICE_ESCAPE {
         w.put((1 << RICE_ESCAPE) - 1, RICE_ESCAPE as u32);
         w.put(g, 32);
+    } else if q as u32 + 1 + k <= 32 {
+        // q ones, a zero, then the k low bits: one write
+        let low = g & ((1u64 << k) - 1);
+        w.put(((1u64 << q) - 1) | (low << (q + 1)), q as u32 + 1 + k);
     } else {
-        // q ones then a zero, then k low bits
         w.put((1u64 << q) - 1, q as u32 + 1);
-        if k > 0 {
-            w.put(g, k);
-        }
+        w.put(g, k);
     }
 }
 
 #[inline(always)]
 fn get_rice(r: &mut BitReader<'_>, k: u32) -> Option<u64> {
+    // Fast path: the unary part and its terminating zero are among the
+    // buffered bits.
+    r.refill();
+    let ones = (!r.acc).trailing_zeros();
+    let used = ones + 1 + k; // at most 31 + 1 + 31 bits
+    if u64::from(ones) < RICE_ESCAPE && used <= r.n {
+        let low = (r.acc >> (ones + 1)) & ((1u64 << k) - 1);
+        r.acc >>= used;
+        r.n -= used;
+        return Some((u64::from(ones) << k) | low);
+    }
     let mut q = 0u64;
     while r.get(1)? == 1 {
         q += 1;
@@ -250,17 +298,18 @@ fn get_rice(r: &mut BitReader<'_>, k: u32) -> Option<u64> {
     Some((q << k) | low)
 }
 
-fn rice_cost(gaps: &[u32], k: u32) -> u64 {
-    gaps.iter()
-        .map(|&g| {
+/// The bits of the gaps as Rice codes with parameters `k0`, `k0 + 1` and
+/// `k0 + 2` (all below 32), in one pass.
+fn rice_costs(gaps: &[u32], k0: u32) -> [u64; 3] {
+    let mut costs = [0u64; 3];
+    for &g in gaps {
+        for (i, cost) in costs.iter_mut().enumerate() {
+            let k = k0 + i as u32;
             let q = u64::from(g) >> k;
-            if q >= RICE_ESCAPE {
-                RICE_ESCAPE + 32
-            } else {
-                q + 1 + u64::from(k)
-            }
-        })
-        .sum()
+            *cost += if q >= RICE_ESCAPE { RICE_ESCAPE + 32 } else { q + 1 + u64::from(k) };
+        }
+    }
+    costs
 }
 
 const MODE_RICE: u8 = 0;
@@ -277,81 +326,93 @@ pub fn encode(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextMo
     }
 }
 
-fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextModel, level: i32) -> Vec<u8> {
+/// For each change (positions ascending), how many earlier elements of the
+/// chunk share its context.
+fn ranks<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32]) -> Vec<u32> {
+    #[cfg(target_arch = "x86_64")]
+    if model.contexts() <= 256 && T::BYTES <= 4 && super::x86::available() {
+        let mut ranks = Vec::new();
+        super::x86::ranks::<T>(old, model, positions, &mut ranks);
+        return ranks;
+    }
+    ranks_reference::<T>(old, model, positions)
+}
+
+/// `ranks`, one element at a time.
+fn ranks_reference<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32]) -> Vec<u32> {
+    let mut ranks = Vec::with_capacity(positions.len());
     let w = T::BYTES;
-    let n = old.len() / w;
-    let nctx = model.contexts();
-    let mut seen = vec![0u32; nctx]; // elements of each context so far
-    let mut next_free = vec![0u32; nctx]; // subsequence index after the last change
-    let mut gaps: Vec<Vec<u32>> = vec![Vec::new(); nctx];
-    let mut flags_needed = vec![false; nctx];
-    let mut steps = StepModel::new(nctx);
-    let mut rc = RangeEncoder::default();
-    let mut ptr = 0usize;
-    let positions = &changes.positions;
-    // One pass: count each context's elements; at a change, record its gap
-    // within the context and its ulp step.
+    let mut seen = vec![0u32; model.contexts()];
     let mut run_start = 0usize;
-    loop {
-        let stop = positions.get(ptr).map_or(n, |&p| p as usize);
-        // Count the unchanged elements before the next change.
-        for word in old[run_start * w..stop * w].chunks_exact(w) {
+    for &p in positions {
+        let p = p as usize;
+        for word in old[run_start * w..p * w].chunks_exact(w) {
             seen[model.context(T::load(word))] += 1;
         }
-        if stop == n {
-            break;
-        }
-        let o = T::load(&old[stop * w..(stop + 1) * w]);
-        let c = model.context(o);
-        gaps[c].push(seen[c] - next_free[c]);
+        let c = model.context(T::load(&old[p * w..(p + 1) * w]));
+        ranks.push(seen[c]);
         seen[c] += 1;
-        next_free[c] = seen[c];
-        steps.encode(&mut rc, c, model.sign(o), model.step(o, T::load(&new[stop * w..(stop + 1) * w])));
-        ptr += 1;
-        run_start = stop + 1;
+        run_start = p + 1;
+    }
+    ranks
+}
+
+fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextModel, level: i32) -> Vec<u8> {
+    let w = T::BYTES;
+    let nctx = model.contexts();
+    let mut next_free = vec![0u32; nctx]; // subsequence index after the last change
+    let mut gaps: Vec<Vec<u32>> = vec![Vec::new(); nctx];
+    let mut steps = StepModel::new(nctx);
+    let mut rc = RangeEncoder::default();
+    let positions = &changes.positions;
+    let ranks = ranks::<T>(old, model, positions);
+    // At each change: its gap within its context and its ulp step.
+    for (&p, &rank) in positions.iter().zip(&ranks) {
+        let p = p as usize;
+        let o = T::load(&old[p * w..(p + 1) * w]);
+        let c = model.context(o);
+        gaps[c].push(rank - next_free[c]);
+        next_free[c] = rank + 1;
+        steps.encode(&mut rc, c, model.sign(o), model.step(o, T::load(&new[p * w..(p + 1) * w])));
     }
     // Per context: Rice with the best parameter, or one flag per element
-    // when that is cheaper (dense contexts).
+    // up to its last change when that is cheaper (dense contexts).
     let mut table = Vec::new();
-    let mut bits = BitWriter::new();
     let mut listed = 0u64;
     let mut prev_ctx = 0usize;
     let mut body = Vec::new();
-    for c in 0..nctx {
-        let m_c = gaps[c].len() as u64;
+    for (c, gaps) in gaps.iter().enumerate() {
+        let m_c = gaps.len() as u64;
         if m_c == 0 {
             continue;
         }
-        let n_c = u64::from(seen[c]);
-        let mean = (n_c - m_c) as f64 / m_c as f64;
+        let span = u64::from(next_free[c]); // flags needed, up to the last change
+        let mean = (span - m_c) as f64 / m_c as f64;
         let guess = if mean > 1.0 { (mean * std::f64::consts::LN_2).log2().max(0.0) as u32 } else { 0 };
-        let (k, cost) = (guess.saturating_sub(1)..=guess + 1)
-            .map(|k| (k.min(31), rice_cost(&gaps[c], k.min(31))))
-            .min_by_key(|&(_, cost)| cost)
-            .expect("three candidates");
-        flags_needed[c] = n_c < cost;
-        let mut w_c = std::mem::replace(&mut bits, BitWriter::new());
-        if flags_needed[c] {
-            let mut idx = 0u32;
-            for &g in &gaps[c] {
-                for _ in 0..g {
-                    w_c.put(0, 1);
-                }
-                w_c.put(1, 1);
-                idx += g + 1;
+        let k0 = guess.saturating_sub(1).min(29);
+        let costs = rice_costs(gaps, k0);
+        let best = (0..3).min_by_key(|&i| costs[i]).expect("three candidates");
+        let (k, cost) = (k0 + best as u32, costs[best]);
+        let flags = span < cost;
+        let stream = if flags {
+            let mut bytes = vec![0u8; span.div_ceil(8) as usize];
+            let mut rank = 0usize;
+            for &g in gaps {
+                rank += g as usize;
+                bytes[rank / 8] |= 1 << (rank % 8);
+                rank += 1;
             }
-            for _ in idx..seen[c] {
-                w_c.put(0, 1);
-            }
+            bytes
         } else {
-            for &g in &gaps[c] {
-                put_rice(&mut w_c, u64::from(g), k);
+            let mut bits = BitWriter::new();
+            for &g in gaps {
+                put_rice(&mut bits, u64::from(g), k);
             }
-        }
-        let stream = w_c.finish();
+            bits.finish()
+        };
         put_varint(&mut table, (c - prev_ctx) as u64);
         put_varint(&mut table, m_c);
-        table.push(if flags_needed[c] { MODE_FLAGS } else { MODE_RICE });
+        table.push(if flags { MODE_FLAGS } else { MODE_RICE });
         table.push(k as u8);
         put_varint(&mut table, stream.len() as u64);
         body.extend_from_slice(&stream);
@@ -369,7 +430,35 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
 
 /// Decode a context-coded payload against the chunk's base bytes `old`.
 /// Returns the changes as XOR masks or new words (by `kind`).
+///
+/// On x86-64 with AVX2 and a fast BMI2, words of up to 4 bytes with up to
+/// 256 contexts are decoded by `decode_expanded`; everything else (8-byte
+/// words, other CPUs) by the element-at-a-time `decode_reference`. Both
+/// accept and refuse the same payloads and return the same changes.
 pub fn decode(
+    payload: &[u8],
+    old: &[u8],
+    model: &ContextModel,
+    n_changed: u32,
+    kind: ChangeKind,
+    context: &str,
+) -> Result<SparseChanges> {
+    #[cfg(target_arch = "x86_64")]
+    if model.contexts() <= 256 && super::x86::available() {
+        match model.width {
+            1 => return decode_expanded::<u8>(payload, old, model, n_changed, kind, context),
+            2 => return decode_expanded::<u16>(payload, old, model, n_changed, kind, context),
+            4 => return decode_expanded::<u32>(payload, old, model, n_changed, kind, context),
+            _ => {}
+        }
+    }
+    decode_reference(payload, old, model, n_changed, kind, context)
+}
+
+/// The element-at-a-time decoder: per context, a countdown of the elements
+/// to skip before its next change. Portable; the test oracle of the fast
+/// decoder.
+pub fn decode_reference(
     payload: &[u8],
     old: &[u8],
     model: &ContextModel,
@@ -385,6 +474,65 @@ pub fn decode(
     }
 }
 
+/// One listed context of a payload: its position stream is
+/// `body[start..end]`.
+struct Listed {
+    ctx: usize,
+    changes: u64,
+    mode: u8,
+    k: u32,
+    start: usize,
+    end: usize,
+}
+
+/// A payload's streams and context table, checked for consistency with the
+/// chunk (n elements, m changes) but not yet decoded.
+struct Parsed {
+    listed: Vec<Listed>,
+    body: Vec<u8>,
+    values: Vec<u8>,
+}
+
+fn parse(payload: &[u8], n: usize, m: usize, nctx: usize, context: &str) -> Result<Parsed> {
+    let bad = |detail: &str| Error::corrupt(context, detail.to_string());
+    let mut pos = 0usize;
+    let count = get_varint(payload, &mut pos, 10).ok_or_else(|| bad("context count missing"))? as usize;
+    if count > nctx || count > m {
+        return Err(bad("more contexts listed than exist or changed"));
+    }
+    let mut r = StreamReader::new(&payload[pos..], context);
+    let table = r.next("context table", 0, count * 32)?;
+    let body = r.next("positions", 0, n.div_ceil(8) + m * 9 + count)?;
+    let values = r.next("ulp steps", 5, m * 24 + 5)?;
+    r.finish()?;
+
+    let mut listed = Vec::with_capacity(count);
+    let (mut tpos, mut bpos, mut ctx, mut total) = (0usize, 0usize, 0usize, 0u64);
+    for i in 0..count {
+        let delta = get_varint(&table, &mut tpos, 10).ok_or_else(|| bad("context table truncated"))? as usize;
+        ctx = ctx.checked_add(delta).filter(|&c| c < nctx && (i == 0 || delta > 0)).ok_or_else(|| bad("context ids out of order"))?;
+        let changes = get_varint(&table, &mut tpos, 10).ok_or_else(|| bad("context table truncated"))?;
+        let mode = *table.get(tpos).ok_or_else(|| bad("context table truncated"))?;
+        let k = u32::from(*table.get(tpos + 1).ok_or_else(|| bad("context table truncated"))?);
+        tpos += 2;
+        let len = get_varint(&table, &mut tpos, 10).ok_or_else(|| bad("context table truncated"))? as usize;
+        let end = bpos.checked_add(len).filter(|&e| e <= body.len()).ok_or_else(|| bad("position stream overruns"))?;
+        if changes == 0 || changes > m as u64 || k > 31 {
+            return Err(bad("bad context entry"));
+        }
+        if mode != MODE_RICE && mode != MODE_FLAGS {
+            return Err(Error::UnknownCode { what: "context position mode", code: mode, context: context.into() });
+        }
+        total += changes;
+        listed.push(Listed { ctx, changes, mode, k, start: bpos, end });
+        bpos = end;
+    }
+    if tpos != table.len() || bpos != body.len() || total != m as u64 {
+        return Err(bad("context table does not match the chunk's change count"));
+    }
+    Ok(Parsed { listed, body, values })
+}
+
 /// A context that has no (more) changes never counts down to zero.
 const NEVER: u64 = u64::MAX;
 
@@ -397,20 +545,10 @@ fn decode_words<T: Word>(
     context: &str,
 ) -> Result<SparseChanges> {
     let w = T::BYTES;
-    let n = old.len() / w;
     let m = n_changed as usize;
     let bad = |detail: &str| Error::corrupt(context, detail.to_string());
-    let mut pos = 0usize;
-    let listed = get_varint(payload, &mut pos, 10).ok_or_else(|| bad("context count missing"))? as usize;
     let nctx = model.contexts();
-    if listed > nctx || listed > m {
-        return Err(bad("more contexts listed than exist or changed"));
-    }
-    let mut r = StreamReader::new(&payload[pos..], context);
-    let table = r.next("context table", 0, listed * 32)?;
-    let body = r.next("positions", 0, n.div_ceil(8) + m * 9 + listed)?;
-    let values = r.next("ulp steps", 5, m * 24 + 5)?;
-    r.finish()?;
+    let parsed = parse(payload, old.len() / w, m, nctx, context)?;
 
     // Per context: elements to skip before its next change (NEVER when it
     // has none left), its bit reader, Rice parameter, flag mode, changes left.
@@ -419,42 +557,21 @@ fn decode_words<T: Word>(
     let mut rice_k = vec![0u32; nctx];
     let mut flags = vec![false; nctx];
     let mut remaining = vec![0u64; nctx];
-    let (mut tpos, mut bpos, mut ctx, mut total) = (0usize, 0usize, 0usize, 0u64);
-    for i in 0..listed {
-        let delta = get_varint(&table, &mut tpos, 10).ok_or_else(|| bad("context table truncated"))? as usize;
-        ctx = ctx.checked_add(delta).filter(|&c| c < nctx && (i == 0 || delta > 0)).ok_or_else(|| bad("context ids out of order"))?;
-        let m_c = get_varint(&table, &mut tpos, 10).ok_or_else(|| bad("context table truncated"))?;
-        let mode = *table.get(tpos).ok_or_else(|| bad("context table truncated"))?;
-        let k = u32::from(*table.get(tpos + 1).ok_or_else(|| bad("context table truncated"))?);
-        tpos += 2;
-        let len = get_varint(&table, &mut tpos, 10).ok_or_else(|| bad("context table truncated"))? as usize;
-        let end = bpos.checked_add(len).filter(|&e| e <= body.len()).ok_or_else(|| bad("position stream overruns"))?;
-        let mut reader = BitReader::new(&body[bpos..end]);
-        bpos = end;
-        if m_c == 0 || m_c > m as u64 || k > 31 {
-            return Err(bad("bad context entry"));
+    for l in &parsed.listed {
+        let mut reader = BitReader::new(&parsed.body[l.start..l.end]);
+        remaining[l.ctx] = l.changes;
+        if l.mode == MODE_RICE {
+            countdown[l.ctx] = get_rice(&mut reader, l.k).ok_or_else(|| bad("position stream ends early"))?;
+            rice_k[l.ctx] = l.k;
+        } else {
+            countdown[l.ctx] = 0;
+            flags[l.ctx] = true;
         }
-        total += m_c;
-        remaining[ctx] = m_c;
-        match mode {
-            MODE_RICE => {
-                countdown[ctx] = get_rice(&mut reader, k).ok_or_else(|| bad("position stream ends early"))?;
-                rice_k[ctx] = k;
-            }
-            MODE_FLAGS => {
-                countdown[ctx] = 0;
-                flags[ctx] = true;
-            }
-            code => return Err(Error::UnknownCode { what: "context position mode", code, context: context.into() }),
-        }
-        readers[ctx] = Some(reader);
-    }
-    if tpos != table.len() || bpos != body.len() || total != m as u64 {
-        return Err(bad("context table does not match the chunk's change count"));
+        readers[l.ctx] = Some(reader);
     }
     let mut out = SparseChanges { positions: Vec::with_capacity(m), values: Vec::with_capacity(m) };
     let mut steps = StepModel::new(nctx);
-    let mut rc = RangeDecoder::new(&values).ok_or_else(|| bad("ulp step stream too short"))?;
+    let mut rc = RangeDecoder::new(&parsed.values).ok_or_else(|| bad("ulp step stream too short"))?;
     for (i, word) in old.chunks_exact(w).enumerate() {
         let o = T::load(word);
         let c = model.context(o);
@@ -484,21 +601,149 @@ fn decode_words<T: Word>(
         if rc.overrun() {
             return Err(bad("ulp step stream ends early"));
         }
-        let new = model.apply_step(o, step);
-        if new == o {
-            return Err(bad("a listed change does not change its element"));
-        }
-        out.positions.push(i as u32);
-        out.values.push(match kind {
-            ChangeKind::Xor => o ^ new,
-            ChangeKind::Overwrite => new,
-        });
+        push_change(&mut out, i, o, model.apply_step(o, step), kind).ok_or_else(|| bad("a listed change does not change its element"))?;
     }
     if remaining.iter().any(|&r| r > 0) || out.positions.len() != m {
         return Err(bad("positions or steps left over after the last element"));
     }
     Ok(out)
 }
+
+/// Record the change of element `i` from `old` to `new`; `None` when the
+/// two are equal (a corrupt payload).
+#[inline(always)]
+fn push_change(out: &mut SparseChanges, i: usize, old: u64, new: u64, kind: ChangeKind) -> Option<()> {
+    if new == old {
+        return None;
+    }
+    out.positions.push(i as u32);
+    out.values.push(match kind {
+        ChangeKind::Xor => old ^ new,
+        ChangeKind::Overwrite => new,
+    });
+    Some(())
+}
+
+/// Per context, the ranks (indices within the context's own subsequence of
+/// elements) that changed, as one bitmap per context laid end to end in
+/// `words`: bit `r` of context `c` is bit `r % 64` of
+/// `words[base[c] + r / 64]`. Each context's bitmap ends at its last
+/// change (`limit[c]` bits) and is followed by a zero word, so a window of
+/// two words starting below the limit stays inside it.
+pub(super) struct RankBitmaps {
+    pub(super) words: Vec<u64>,
+    pub(super) base: Vec<usize>,
+    pub(super) limit: Vec<u64>,
+}
+
+/// Decode every listed context's position stream into its rank bitmap.
+/// Refuses streams that end early and ranks that cannot fit the chunk (the
+/// bitmaps of all contexts together never hold more than n bits, since the
+/// contexts partition the n elements).
+fn rank_bitmaps(parsed: &Parsed, n: usize, nctx: usize, context: &str) -> Result<RankBitmaps> {
+    let bad = |detail: &str| Error::corrupt(context, detail.to_string());
+    let mut maps = RankBitmaps { words: Vec::new(), base: vec![0; nctx], limit: vec![0; nctx] };
+    let mut bits_left = n as u64;
+    let mut ranks = Vec::new();
+    for l in &parsed.listed {
+        let stream = &parsed.body[l.start..l.end];
+        let base = maps.words.len();
+        maps.base[l.ctx] = base;
+        let limit = if l.mode == MODE_RICE {
+            let mut reader = BitReader::new(stream);
+            ranks.clear();
+            let mut next = 0u64; // the rank after the previous change
+            for _ in 0..l.changes {
+                let gap = get_rice(&mut reader, l.k).ok_or_else(|| bad("position stream ends early"))?;
+                let rank = next.checked_add(gap).filter(|&r| r < bits_left).ok_or_else(|| bad("positions beyond the chunk's elements"))?;
+                ranks.push(rank);
+                next = rank + 1;
+            }
+            maps.words.resize(base + next.div_ceil(64) as usize, 0);
+            let map = &mut maps.words[base..];
+            for &rank in &ranks {
+                map[(rank / 64) as usize] |= 1 << (rank % 64);
+            }
+            next
+        } else {
+            // Flags: bit r of the stream (least significant first) is rank
+            // r; only the flags up to the context's last change are read.
+            let mut need = l.changes;
+            let mut limit = None;
+            for (i, bytes) in stream.chunks(8).enumerate() {
+                let mut le = [0u8; 8];
+                le[..bytes.len()].copy_from_slice(bytes);
+                let word = u64::from_le_bytes(le);
+                let ones = u64::from(word.count_ones());
+                if ones < need {
+                    need -= ones;
+                    maps.words.push(word);
+                    continue;
+                }
+                let mut rest = word;
+                for _ in 1..need {
+                    rest &= rest - 1;
+                }
+                let last = rest.trailing_zeros();
+                maps.words.push(word & (u64::MAX >> (63 - last)));
+                limit = Some(i as u64 * 64 + u64::from(last) + 1);
+                break;
+            }
+            limit.filter(|&b| b <= bits_left).ok_or_else(|| bad("flag stream ends early"))?
+        };
+        bits_left -= limit;
+        maps.limit[l.ctx] = limit;
+        maps.words.resize(base + limit.div_ceil(64) as usize + 1, 0);
+    }
+    Ok(maps)
+}
+
+/// The fast decoder: rank bitmaps expanded into element order block by
+/// block (see `x86`), then the ulp steps of the changes in one pass.
+#[cfg(target_arch = "x86_64")]
+fn decode_expanded<T: Word>(
+    payload: &[u8],
+    old: &[u8],
+    model: &ContextModel,
+    n_changed: u32,
+    kind: ChangeKind,
+    context: &str,
+) -> Result<SparseChanges> {
+    let n = old.len() / T::BYTES;
+    let m = n_changed as usize;
+    let bad = |detail: &str| Error::corrupt(context, detail.to_string());
+    let nctx = model.contexts();
+    let parsed = parse(payload, n, m, nctx, context)?;
+    let maps = rank_bitmaps(&parsed, n, nctx, context)?;
+    let listed: Vec<usize> = parsed.listed.iter().map(|l| l.ctx).collect();
+    let mut positions = vec![0u32; m + super::x86::SPARE];
+    super::x86::expand::<T>(old, model, &listed, &maps, &mut positions);
+    if positions.len() != m {
+        return Err(bad("positions or steps left over after the last element"));
+    }
+    // The ulp steps, in element order.
+    let mut values = Vec::with_capacity(m);
+    let mut steps = StepModel::new(nctx);
+    let mut rc = RangeDecoder::new(&parsed.values).ok_or_else(|| bad("ulp step stream too short"))?;
+    let w = T::BYTES;
+    for &p in &positions {
+        let o = T::load(&old[p as usize * w..][..w]);
+        let step = steps.decode(&mut rc, model.context(o), model.sign(o)).ok_or_else(|| bad("bad ulp step"))?;
+        let new = model.apply_step(o, step);
+        if new == o {
+            return Err(bad("a listed change does not change its element"));
+        }
+        values.push(match kind {
+            ChangeKind::Xor => o ^ new,
+            ChangeKind::Overwrite => new,
+        });
+    }
+    if rc.overrun() {
+        return Err(bad("ulp step stream ends early"));
+    }
+    Ok(SparseChanges { positions, values })
+}
+
 
 #[cfg(test)]
 mod tests {
@@ -516,6 +761,38 @@ mod tests {
         let m = ContextModel::for_dtype(DType(Dtype::I64));
         for (a, b) in [(0u64, u64::MAX), (u64::MAX, 0), (5, 1 << 63)] {
             assert_eq!(m.apply_step(a, m.step(a, b)), b);
+        }
+    }
+
+    #[test]
+    fn fast_ranks_match_the_reference() {
+        // Float-like words (a few exponents, zeros, a partial last block)
+        // and every sixth or so element changed.
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for (dtype, width) in [(Dtype::BF16, 2), (Dtype::F32, 4), (Dtype::F8_E4M3, 1), (Dtype::I16, 2), (Dtype::U8, 1)] {
+            let model = ContextModel::for_dtype(DType(dtype));
+            for n in [0usize, 1, 63, 64, 65, 1000, 4099] {
+                let old: Vec<u8> = (0..n)
+                    .flat_map(|_| {
+                        let r = next();
+                        let word = if r % 9 == 0 { 0 } else { (r & !(0x7u64 << (8 * width - 4))) | ((r >> 60) << (8 * width - 5)) };
+                        word.to_le_bytes()[..width].to_vec()
+                    })
+                    .collect();
+                let positions: Vec<u32> = (0..n as u32).filter(|_| next() % 6 == 0).collect();
+                let (fast, slow) = match width {
+                    1 => (ranks::<u8>(&old, &model, &positions), ranks_reference::<u8>(&old, &model, &positions)),
+                    2 => (ranks::<u16>(&old, &model, &positions), ranks_reference::<u16>(&old, &model, &positions)),
+                    _ => (ranks::<u32>(&old, &model, &positions), ranks_reference::<u32>(&old, &model, &positions)),
+                };
+                assert_eq!(fast, slow, "{dtype:?}, {n} elements");
+            }
         }
     }
 

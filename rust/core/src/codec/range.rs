@@ -22,36 +22,61 @@ impl Default for RangeEncoder {
 }
 
 impl RangeEncoder {
+    #[inline(always)]
     fn shift_low(&mut self) {
         if (self.low as u32) < 0xff00_0000 || (self.low >> 32) != 0 {
+            // The cached byte, then the pending 0xff bytes, each plus the carry.
             let carry = (self.low >> 32) as u8;
-            let mut c = self.cache;
-            loop {
-                self.out.push(c.wrapping_add(carry));
-                c = 0xff;
-                self.cache_size -= 1;
-                if self.cache_size == 0 {
-                    break;
-                }
+            self.out.push(self.cache.wrapping_add(carry));
+            if self.cache_size > 1 {
+                self.flush_pending(carry);
             }
+            self.cache_size = 0;
             self.cache = ((self.low >> 24) & 0xff) as u8;
         }
         self.cache_size += 1;
         self.low = (self.low & 0x00ff_ffff) << 8;
     }
 
+    #[cold]
+    fn flush_pending(&mut self, carry: u8) {
+        for _ in 1..self.cache_size {
+            self.out.push(0xffu8.wrapping_add(carry));
+        }
+    }
+
     #[inline(always)]
     pub fn bit(&mut self, prob: &mut u16, bit: bool) {
-        let bound = (self.range >> PROB_BITS) * u32::from(*prob);
+        let p = u32::from(*prob);
+        let bound = (self.range >> PROB_BITS) * p;
         if !bit {
             self.range = bound;
-            *prob += ((1 << PROB_BITS) - *prob) >> MOVE_BITS;
+            *prob = (p + (((1 << PROB_BITS) - p) >> MOVE_BITS)) as u16;
         } else {
             self.low += u64::from(bound);
             self.range -= bound;
-            *prob -= *prob >> MOVE_BITS;
+            *prob = (p - (p >> MOVE_BITS)) as u16;
         }
-        while self.range < TOP {
+        // One step always suffices (see `RangeDecoder::bit`).
+        if self.range < TOP {
+            self.range <<= 8;
+            self.shift_low();
+        }
+        debug_assert!(self.range >= TOP);
+    }
+
+    /// The same decision, branch-free: for coin tosses such as signs.
+    #[inline(always)]
+    pub fn bit_unpredictable(&mut self, prob: &mut u16, bit: bool) {
+        let p = u32::from(*prob);
+        let bound = (self.range >> PROB_BITS) * p;
+        let one = u32::from(bit).wrapping_neg(); // all ones when the bit is 1
+        self.low += u64::from(bound & one);
+        self.range = (bound & !one) | (self.range.wrapping_sub(bound) & one);
+        let up = ((1 << PROB_BITS) - p) >> MOVE_BITS;
+        let down = p >> MOVE_BITS;
+        *prob = p.wrapping_add(up & !one).wrapping_sub(down & one) as u16;
+        if self.range < TOP {
             self.range <<= 8;
             self.shift_low();
         }
@@ -64,7 +89,7 @@ impl RangeEncoder {
             if (value >> i) & 1 == 1 {
                 self.low += u64::from(self.range);
             }
-            while self.range < TOP {
+            if self.range < TOP {
                 self.range <<= 8;
                 self.shift_low();
             }
@@ -79,6 +104,7 @@ impl RangeEncoder {
     }
 }
 
+#[derive(Clone)]
 pub struct RangeDecoder<'a> {
     buf: &'a [u8],
     pos: usize,
@@ -96,36 +122,61 @@ impl<'a> RangeDecoder<'a> {
         Some(RangeDecoder { buf, pos: 5, range: u32::MAX, code })
     }
 
-    #[inline(always)]
-    fn next_byte(&mut self) -> u32 {
-        // Past the end the stream reads as zeros; `exhausted` tells.
-        let b = self.buf.get(self.pos).copied().unwrap_or(0);
-        self.pos += 1;
-        u32::from(b)
-    }
-
     /// Whether more bytes were consumed than the stream holds (corruption).
     pub fn overrun(&self) -> bool {
         self.pos > self.buf.len()
     }
 
+    /// At most one byte is ever needed: before a decision `range >= 2^24`,
+    /// and a probability stays within 31..=2017 (of 2048) under the update
+    /// rule, so both outcomes leave `range >= (2^24 >> 11) * 31 > 2^16`; a
+    /// direct bit halves the range, leaving `>= 2^23`.
+    #[inline(always)]
+    fn normalize(&mut self) {
+        if self.range < TOP {
+            self.range <<= 8;
+            // Past the end the stream reads as zeros; `overrun` tells.
+            let byte = self.buf.get(self.pos).map_or(0, |&b| u32::from(b));
+            self.code = (self.code << 8) | byte;
+            self.pos += 1;
+        }
+        debug_assert!(self.range >= TOP);
+    }
+
+    /// A decision whose outcome is usually the likely one: branches, which
+    /// cost little when predicted (a short dependency chain).
     #[inline(always)]
     pub fn bit(&mut self, prob: &mut u16) -> bool {
-        let bound = (self.range >> PROB_BITS) * u32::from(*prob);
+        let p = u32::from(*prob);
+        let bound = (self.range >> PROB_BITS) * p;
         let bit = if self.code < bound {
             self.range = bound;
-            *prob += ((1 << PROB_BITS) - *prob) >> MOVE_BITS;
+            *prob = (p + (((1 << PROB_BITS) - p) >> MOVE_BITS)) as u16;
             false
         } else {
             self.code -= bound;
             self.range -= bound;
-            *prob -= *prob >> MOVE_BITS;
+            *prob = (p - (p >> MOVE_BITS)) as u16;
             true
         };
-        while self.range < TOP {
-            self.range <<= 8;
-            self.code = (self.code << 8) | self.next_byte();
-        }
+        self.normalize();
+        bit
+    }
+
+    /// The same decision, branch-free (both outcomes computed, one selected
+    /// by a mask): for decisions close to a coin toss, such as signs.
+    #[inline(always)]
+    pub fn bit_unpredictable(&mut self, prob: &mut u16) -> bool {
+        let p = u32::from(*prob);
+        let bound = (self.range >> PROB_BITS) * p;
+        let bit = self.code >= bound;
+        let one = u32::from(bit).wrapping_neg(); // all ones when the bit is 1
+        self.range = (bound & !one) | (self.range.wrapping_sub(bound) & one);
+        self.code = self.code.wrapping_sub(bound & one);
+        let up = ((1 << PROB_BITS) - p) >> MOVE_BITS;
+        let down = p >> MOVE_BITS;
+        *prob = p.wrapping_add(up & !one).wrapping_sub(down & one) as u16;
+        self.normalize();
         bit
     }
 
@@ -140,10 +191,7 @@ impl<'a> RangeDecoder<'a> {
                 0
             };
             v = (v << 1) | b;
-            while self.range < TOP {
-                self.range <<= 8;
-                self.code = (self.code << 8) | self.next_byte();
-            }
+            self.normalize();
         }
         v
     }

@@ -82,6 +82,30 @@ proptest! {
     }
 
     #[test]
+    fn find_changes_matches_a_word_by_word_compare((old, new, width) in chunk_pair(), overwrite in any::<bool>()) {
+        let kind = if overwrite { ChangeKind::Overwrite } else { ChangeKind::Xor };
+        let mut expected = SparseChanges::default();
+        for (i, (a, b)) in old.chunks_exact(width).zip(new.chunks_exact(width)).enumerate() {
+            if a != b {
+                expected.positions.push(i as u32);
+                expected.values.push(match kind {
+                    ChangeKind::Xor => read_word(a) ^ read_word(b),
+                    ChangeKind::Overwrite => read_word(b),
+                });
+            }
+        }
+        prop_assert_eq!(&find_changes(&old, &new, width, kind).unwrap(), &expected);
+        let mut portable = SparseChanges::default();
+        match width {
+            1 => scan::<u8>(&old, &new, kind, &mut portable),
+            2 => scan::<u16>(&old, &new, kind, &mut portable),
+            4 => scan::<u32>(&old, &new, kind, &mut portable),
+            _ => scan::<u64>(&old, &new, kind, &mut portable),
+        }
+        prop_assert_eq!(portable, expected);
+    }
+
+    #[test]
     fn corrupted_payload_never_panics((old, new, width) in chunk_pair(), flips in prop::collection::vec((any::<usize>(), any::<u8>()), 1..4), cut in any::<usize>()) {
         if let Some(c) = encode_chunk(&old, &new, width, EncodeOptions::default()).unwrap() {
             let mut bad = c.payload.clone();
@@ -140,6 +164,165 @@ fn wrong_changed_count_is_refused() {
     let err = apply_chunk(&mut t, 2, ChangeKind::Xor, c.encoding, c.n_changed + 1, &c.payload, "chunk 7").unwrap_err();
     assert!(err.to_string().contains("chunk 7"), "{err}");
     assert_eq!(t, old);
+}
+
+// ------------------------------------------------------------ context mode
+
+use crate::dtype::DType;
+use context::ContextModel;
+
+/// Every dtype of a word width (floats, integers and packed types).
+fn dtypes_of_width(width: usize) -> Vec<DType> {
+    DType::all().filter(|d| d.word_bytes() == width).collect()
+}
+
+/// Float-like chunks: the context field of each old word is drawn from a
+/// narrow window (as in trained weights), the other bits at random; new
+/// words are old words moved by a few representable steps or, now and
+/// then, replaced by any bit pattern.
+fn float_like_pair() -> impl Strategy<Value = (Vec<u8>, Vec<u8>, DType)> {
+    (prop::sample::select(DType::all().collect::<Vec<_>>()), 0usize..5000, 0.0f64..1.0, any::<u64>()).prop_map(
+        |(dtype, n, density, seed)| {
+            let width = dtype.word_bytes();
+            let (shift, bits) = match width {
+                1 => (3, 4),
+                2 => (7, 8),
+                4 => (23, 8),
+                _ => (52, 11),
+            };
+            let mut rng = seed | 1;
+            let mut next = move || {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                rng
+            };
+            let word_mask = if width == 8 { u64::MAX } else { (1u64 << (8 * width)) - 1 };
+            let field = ((1u64 << bits) - 1) << shift;
+            let window = next() % ((1 << bits) - 6);
+            let density = density * density * density;
+            let mut old = Vec::with_capacity(n * width);
+            let mut new = Vec::with_capacity(n * width);
+            for _ in 0..n {
+                let r = next();
+                let o = ((r & !field) | (((window + r % 7) << shift) & field)) & word_mask;
+                let x = next();
+                let v = if (x % 1_000_000) as f64 / 1e6 >= density {
+                    o
+                } else if x % 50 == 0 {
+                    next() & word_mask
+                } else {
+                    // a few steps up or down in the word's own bits
+                    let step = 1 + (x >> 20) % 3;
+                    (if x & (1 << 40) != 0 { o.wrapping_add(step) } else { o.wrapping_sub(step) }) & word_mask
+                };
+                old.extend_from_slice(&o.to_le_bytes()[..width]);
+                new.extend_from_slice(&v.to_le_bytes()[..width]);
+            }
+            (old, new, dtype)
+        },
+    )
+}
+
+fn context_round_trip(old: &[u8], new: &[u8], dtype: DType, kind: ChangeKind) -> std::result::Result<(), TestCaseError> {
+    let width = dtype.word_bytes();
+    let model = ContextModel::for_dtype(dtype);
+    let found = find_changes(old, new, width, ChangeKind::Xor).unwrap();
+    if found.positions.is_empty() {
+        prop_assert_eq!(old, new);
+        return Ok(());
+    }
+    let m = found.positions.len() as u32;
+    let payload = context::encode(old, new, &found, &model, 1);
+    let decoded = decode_chunk_context(&payload, old, width, &model, m, kind, "t").unwrap();
+    let mut target = old.to_vec();
+    decoded.apply(&mut target, kind);
+    prop_assert_eq!(&target, &new);
+    let reference = context::decode_reference(&payload, old, &model, m, kind, "t").unwrap();
+    prop_assert_eq!(decoded.to_changes(), reference);
+    // The whole-chunk entry point picks the smaller mode and still round-trips.
+    let c = encode_chunk_with_context(old, new, width, EncodeOptions { kind, zstd_level: 1 }, Some(&model)).unwrap().unwrap();
+    let mut target = old.to_vec();
+    match c.mode {
+        Mode::Context => decode_chunk_context(&c.payload, old, width, &model, c.n_changed, kind, "t").unwrap().apply(&mut target, kind),
+        Mode::Free => apply_chunk(&mut target, width, kind, c.encoding, c.n_changed, &c.payload, "t").unwrap(),
+    }
+    prop_assert_eq!(&target, &new);
+    Ok(())
+}
+
+proptest! {
+    #[test]
+    fn context_round_trip_random_words((old, new, width) in chunk_pair(), pick in any::<usize>(), overwrite in any::<bool>()) {
+        let dtypes = dtypes_of_width(width);
+        let kind = if overwrite { ChangeKind::Overwrite } else { ChangeKind::Xor };
+        context_round_trip(&old, &new, dtypes[pick % dtypes.len()], kind)?;
+    }
+
+    #[test]
+    fn context_round_trip_float_like((old, new, dtype) in float_like_pair(), overwrite in any::<bool>()) {
+        let kind = if overwrite { ChangeKind::Overwrite } else { ChangeKind::Xor };
+        context_round_trip(&old, &new, dtype, kind)?;
+    }
+
+    #[test]
+    fn context_corrupted_payload_never_panics((old, new, dtype) in float_like_pair(), flips in prop::collection::vec((any::<usize>(), any::<u8>()), 1..4), cut in any::<usize>(), miscount in -2i64..3) {
+        let width = dtype.word_bytes();
+        let model = ContextModel::for_dtype(dtype);
+        let found = find_changes(&old, &new, width, ChangeKind::Xor).unwrap();
+        if !found.positions.is_empty() {
+            let m = found.positions.len() as u32;
+            let payload = context::encode(&old, &new, &found, &model, 1);
+            let mut bad = payload.clone();
+            for (i, x) in flips {
+                let i = i % bad.len();
+                bad[i] ^= x | 1;
+            }
+            let fast = context::decode(&bad, &old, &model, m, ChangeKind::Xor, "t");
+            let reference = context::decode_reference(&bad, &old, &model, m, ChangeKind::Xor, "t");
+            // Both refuse, or both accept the same changes (a flip can hit
+            // bits that no decoder reads, such as the padding of a stream).
+            prop_assert_eq!(fast.as_ref().ok(), reference.as_ref().ok());
+            let short = &payload[..cut % payload.len()];
+            prop_assert!(context::decode(short, &old, &model, m, ChangeKind::Xor, "t").is_err());
+            let count = (i64::from(m) + miscount).max(0) as u32;
+            if count != m {
+                prop_assert!(context::decode(&payload, &old, &model, count, ChangeKind::Xor, "t").is_err());
+            }
+        }
+    }
+}
+
+#[test]
+fn context_mode_special_patterns_are_exact() {
+    // NaN payloads, -0.0/+0.0, subnormals, infinities, the largest finite
+    // values and steps across zero, for every float width.
+    let f32s: Vec<(u32, u32)> = vec![
+        (0x7fc0_0001, 0x7fc0_0002),
+        (0x0000_0000, 0x8000_0000),
+        (0x8000_0000, 0x0000_0001),
+        (0x0000_0001, 0x0000_0003),
+        (0x7f80_0000, 0xff80_0000),
+        (0x7f7f_ffff, 0x7f80_0000),
+        (0xff7f_ffff, 0x7f7f_ffff),
+        (0x3f80_0000, 0x3f80_0000),
+        (0xffff_ffff, 0x0000_0000),
+    ];
+    for (dtype, width) in [(DType(safetensors::Dtype::F32), 4), (DType(safetensors::Dtype::BF16), 2), (DType(safetensors::Dtype::F64), 8), (DType(safetensors::Dtype::F8_E4M3), 1)] {
+        let to_word = |v: u32| -> Vec<u8> {
+            match width {
+                4 => v.to_le_bytes().to_vec(),
+                2 => ((v >> 16) as u16).to_le_bytes().to_vec(),
+                8 => (((u64::from(v) & 0x8000_0000) << 32) | ((u64::from(v) & 0x7fff_ffff) << 29) | u64::from(v & 7)).to_le_bytes().to_vec(),
+                _ => vec![(v >> 24) as u8],
+            }
+        };
+        let old: Vec<u8> = f32s.iter().flat_map(|&(a, _)| to_word(a)).collect();
+        let new: Vec<u8> = f32s.iter().flat_map(|&(_, b)| to_word(b)).collect();
+        for kind in [ChangeKind::Xor, ChangeKind::Overwrite] {
+            context_round_trip(&old, &new, dtype, kind).unwrap();
+        }
+    }
 }
 
 /// The vectorised scan (used when the CPU has AVX2) and the portable scan

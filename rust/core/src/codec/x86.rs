@@ -1,0 +1,290 @@
+//! Block-wise kernels of the context mode for x86-64 with AVX2 and BMI2:
+//! ranks (encoder) and positions (decoder).
+//!
+//! The chunk is walked in blocks of 64 elements. For each block the context
+//! of every element is computed into 64 bytes (two vectors); for each
+//! context present in the block (and with changes), one compare gives the
+//! mask `m` of its elements, `k = popcount(m)` of them. The encoder adds
+//! `k` to the context's count (a change's rank is the count plus the
+//! elements of its context before it in the block). The decoder takes the
+//! next `k` bits of the context's rank bitmap, its changed flags, and
+//! `pdep` deposits them onto `m`; the union over contexts marks the block's
+//! changed elements. No per-element branches and no per-element state in
+//! memory: the cost is set by the contexts per block, hardly by the number
+//! of changes.
+//!
+//! Each kernel has a portable twin (`context::ranks_reference`,
+//! `context::decode_reference`) that the tests hold it to.
+
+use std::arch::x86_64::*;
+use std::sync::OnceLock;
+
+use super::context::{ContextModel, RankBitmaps};
+use super::Word;
+
+/// Whether this CPU runs the block-wise decoder well: AVX2, BMI2 and
+/// POPCNT present, and `pdep` not microcoded (AMD before Zen 3 takes
+/// hundreds of cycles for one).
+pub(super) fn available() -> bool {
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("bmi2")
+            && is_x86_feature_detected!("popcnt")
+            && !slow_pdep()
+    })
+}
+
+fn slow_pdep() -> bool {
+    use std::arch::x86_64::__cpuid;
+    // Safety: the cpuid instruction exists on every x86-64 CPU; leaves 0
+    // and 1 always do.
+    #[allow(unsafe_code, unused_unsafe)]
+    let (vendor, signature) = unsafe { (__cpuid(0), __cpuid(1)) };
+    let vendor = (vendor.ebx, vendor.edx, vendor.ecx);
+    let amd = vendor == (0x6874_7541, 0x6974_6e65, 0x444d_4163); // "AuthenticAMD"
+    let hygon = vendor == (0x6f67_7948, 0x6e65_476e, 0x656e_6975); // "HygonGenuine" (Zen 1)
+    let base = (signature.eax >> 8) & 0xf;
+    let family = if base == 0xf { base + ((signature.eax >> 20) & 0xff) } else { base };
+    hygon || (amd && family < 0x19)
+}
+
+/// Spare slots at the end of the positions buffer (see `expand_avx2`).
+pub(super) const SPARE: usize = 64;
+
+/// Expand the rank bitmaps of the `listed` contexts over the chunk `old`:
+/// the changed positions, ascending. `positions` must hold the listed
+/// total of changes plus `SPARE` slots; it is cut to the changes found.
+pub(super) fn expand<T: Word>(old: &[u8], model: &ContextModel, listed: &[usize], maps: &RankBitmaps, positions: &mut Vec<u32>) {
+    assert!(available() && model.contexts() <= 256 && T::BYTES <= 4, "the caller checks the CPU and the model");
+    // Safety: the CPU has the features `expand_avx2` is compiled for
+    // (checked just above).
+    #[allow(unsafe_code)]
+    unsafe {
+        expand_avx2::<T>(old, model, listed, maps, positions)
+    }
+}
+
+/// Compiled with AVX2 and BMI2: may only run where `available()`.
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,bmi1,bmi2,popcnt")]
+unsafe fn expand_avx2<T: Word>(old: &[u8], model: &ContextModel, listed: &[usize], maps: &RankBitmaps, positions: &mut Vec<u32>) {
+    const B: usize = 64;
+    let w = T::BYTES;
+    let n = old.len() / w;
+    // Per context (indexed by the context byte): the bit of `words` that
+    // holds the flag of its next element, and the end of its bitmap (both
+    // zero for contexts without changes: never entered).
+    let mut next = [0usize; 256];
+    let mut end = [0usize; 256];
+    for &c in listed {
+        next[c] = maps.base[c] * 64;
+        end[c] = next[c] + maps.limit[c] as usize;
+    }
+    let (Some(&first), Some(&last)) = (listed.iter().min(), listed.iter().max()) else {
+        positions.clear();
+        return;
+    };
+    let mut count = 0usize;
+    let words = &maps.words[..];
+    let (shift, mask) = (model.shift, model.mask as u8);
+    let mut tail;
+    for start in (0..n).step_by(B) {
+        let len = B.min(n - start);
+        let block = &old[start * w..(start + len) * w];
+        let full = if len == B {
+            block
+        } else {
+            // The last, partial block: zero words after the end, masked out below.
+            tail = [0; B * 4];
+            tail[..block.len()].copy_from_slice(block);
+            &tail[..B * w]
+        };
+        let valid = if len == B { u64::MAX } else { (1u64 << len) - 1 };
+        // Safety: `full` holds 64 words.
+        let (v0, v1) = unsafe { context_vectors::<T>(full, shift, mask) };
+        let (lo, hi) = min_max(v0, v1);
+        let mut changed = 0u64;
+        for c in usize::from(lo).max(first)..usize::from(hi).min(last) + 1 {
+            let bit = next[c];
+            if bit >= end[c] {
+                continue;
+            }
+            let probe = _mm256_set1_epi8(c as u8 as i8);
+            let m = (u64::from(_mm256_movemask_epi8(_mm256_cmpeq_epi8(v0, probe)) as u32)
+                | (u64::from(_mm256_movemask_epi8(_mm256_cmpeq_epi8(v1, probe)) as u32) << 32))
+                & valid;
+            let k = m.count_ones();
+            // Two words from the one holding the next flag: that bit lies
+            // below the end of the bitmap, so both words lie inside it or its
+            // trailing zero word.
+            let i = bit / 64;
+            debug_assert!(i + 1 < words.len());
+            // Safety: `i + 1 < words.len()` (above: `rank_bitmaps` pads each
+            // bitmap with a zero word past its end).
+            let pair = unsafe { u128::from(*words.get_unchecked(i)) | (u128::from(*words.get_unchecked(i + 1)) << 64) };
+            let flags = _bzhi_u64((pair >> (bit % 64)) as u64, k);
+            changed |= _pdep_u64(flags, m);
+            next[c] = bit + k as usize;
+        }
+        // Positions of the set bits: four written unconditionally (most
+        // blocks have no more; the surplus is overwritten or cut off), then
+        // any others. `found` never passes the listed total, the number of
+        // set bits in all rank bitmaps, so `spare` slots suffice.
+        let found = changed.count_ones() as usize;
+        let at = &mut positions[count..count + SPARE];
+        for slot in &mut at[..4] {
+            *slot = (start + changed.trailing_zeros() as usize) as u32;
+            changed &= changed.wrapping_sub(1);
+        }
+        let mut slot = 4;
+        while changed != 0 {
+            at[slot] = (start + changed.trailing_zeros() as usize) as u32;
+            changed &= changed - 1;
+            slot += 1;
+        }
+        count += found;
+    }
+    positions.truncate(count);
+}
+
+
+/// The context bytes of the 64 words at `words` (`64 * T::BYTES` bytes),
+/// in element order, as two vectors of 32.
+///
+/// # Safety
+/// `words` must hold at least `64 * T::BYTES` bytes; the CPU must have AVX2.
+#[allow(unsafe_code)]
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn context_vectors<T: Word>(words: &[u8], shift: u32, mask: u8) -> (__m256i, __m256i) {
+    debug_assert!(words.len() >= 64 * T::BYTES);
+    let p = words.as_ptr() as *const __m256i;
+    let count = _mm_cvtsi32_si128(shift as i32);
+    match T::BYTES {
+        1 => {
+            // Shifting 16-bit lanes brings in bits of the neighbouring byte
+            // above the field only (shift + field width <= 8): masked off.
+            let m = _mm256_set1_epi8(mask as i8);
+            let f = |v| _mm256_and_si256(_mm256_srl_epi16(v, count), m);
+            (f(_mm256_loadu_si256(p)), f(_mm256_loadu_si256(p.add(1))))
+        }
+        2 => {
+            let m = _mm256_set1_epi16(i16::from(mask));
+            let f = |i: usize| _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(p.add(i)), count), m);
+            // packus interleaves 128-bit lanes; the permute restores order.
+            let pack = |a, b| _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi16(a, b));
+            (pack(f(0), f(1)), pack(f(2), f(3)))
+        }
+        _ => {
+            let m = _mm256_set1_epi32(i32::from(mask));
+            let f = |i: usize| _mm256_and_si256(_mm256_srl_epi32(_mm256_loadu_si256(p.add(i)), count), m);
+            let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+            let pack = |i: usize| {
+                let ab = _mm256_packus_epi32(f(i), f(i + 1));
+                let cd = _mm256_packus_epi32(f(i + 2), f(i + 3));
+                _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd), order)
+            };
+            (pack(0), pack(4))
+        }
+    }
+}
+
+/// The smallest and largest of the 64 bytes in `v0` and `v1`.
+#[allow(unsafe_code)]
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn min_max(v0: __m256i, v1: __m256i) -> (u8, u8) {
+    // Horizontal minimum of 16 bytes: pairs into 16-bit lanes, then phminposuw.
+    let hmin = |v: __m128i| -> u8 {
+        let pairs = _mm_min_epu8(v, _mm_srli_epi16(v, 8));
+        _mm_cvtsi128_si32(_mm_minpos_epu16(_mm_and_si128(pairs, _mm_set1_epi16(0xff)))) as u8
+    };
+    let lo = _mm256_min_epu8(v0, v1);
+    let hi = _mm256_xor_si256(_mm256_max_epu8(v0, v1), _mm256_set1_epi8(-1));
+    let lo = _mm_min_epu8(_mm256_castsi256_si128(lo), _mm256_extracti128_si256::<1>(lo));
+    let hi = _mm_min_epu8(_mm256_castsi256_si128(hi), _mm256_extracti128_si256::<1>(hi));
+    (hmin(lo), !hmin(hi))
+}
+
+/// For each of the changed `positions` (ascending) of the chunk `old`, its
+/// rank: how many earlier elements share its context. The encoder's side of
+/// `expand`: 64 elements at a time, one compare and popcount per context
+/// present.
+pub(super) fn ranks<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32], ranks: &mut Vec<u32>) {
+    assert!(available() && model.contexts() <= 256 && T::BYTES <= 4, "the caller checks the CPU and the model");
+    // Safety: the CPU has the features `ranks_avx2` is compiled for
+    // (checked just above).
+    #[allow(unsafe_code)]
+    unsafe {
+        ranks_avx2::<T>(old, model, positions, ranks)
+    }
+}
+
+/// Compiled with AVX2 and BMI2: may only run where `available()`.
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,bmi1,bmi2,popcnt")]
+unsafe fn ranks_avx2<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32], ranks: &mut Vec<u32>) {
+    const B: usize = 64;
+    let w = T::BYTES;
+    let n = old.len() / w;
+    let (shift, mask) = (model.shift, model.mask as u8);
+    let mut counts = [0u32; 256];
+    // Only contexts with changes ahead need counting.
+    let mut ahead = [0u32; 256];
+    for &p in positions {
+        let p = p as usize;
+        ahead[model.context(T::load(&old[p * w..(p + 1) * w]))] += 1;
+    }
+    let first = ahead.iter().position(|&a| a > 0).unwrap_or(0) as u8;
+    let last = ahead.iter().rposition(|&a| a > 0).unwrap_or(0) as u8;
+    let mut ctx = [0u8; B];
+    let mut tail;
+    let mut next = 0usize; // the next change
+    ranks.clear();
+    ranks.reserve(positions.len());
+    for start in (0..n).step_by(B) {
+        if next == positions.len() {
+            break; // nothing after the last change needs counting
+        }
+        let len = B.min(n - start);
+        let block = &old[start * w..(start + len) * w];
+        let full = if len == B {
+            block
+        } else {
+            tail = [0u8; B * 4];
+            tail[..block.len()].copy_from_slice(block);
+            &tail[..B * w]
+        };
+        let valid = if len == B { u64::MAX } else { (1u64 << len) - 1 };
+        // Safety: `full` holds 64 words and `ctx` 64 bytes.
+        let (v0, v1) = unsafe { context_vectors::<T>(full, shift, mask) };
+        unsafe {
+            _mm256_storeu_si256(ctx.as_mut_ptr() as *mut __m256i, v0);
+            _mm256_storeu_si256(ctx.as_mut_ptr().add(32) as *mut __m256i, v1);
+        }
+        let elements = |c: u8| -> u64 {
+            let probe = _mm256_set1_epi8(c as i8);
+            (u64::from(_mm256_movemask_epi8(_mm256_cmpeq_epi8(v0, probe)) as u32)
+                | (u64::from(_mm256_movemask_epi8(_mm256_cmpeq_epi8(v1, probe)) as u32) << 32))
+                & valid
+        };
+        while let Some(&p) = positions.get(next) {
+            let j = (p as usize).checked_sub(start).expect("changed positions ascend");
+            if j >= len {
+                break;
+            }
+            let c = ctx[j];
+            ranks.push(counts[usize::from(c)] + (elements(c) & ((1u64 << j) - 1)).count_ones());
+            ahead[usize::from(c)] -= 1;
+            next += 1;
+        }
+        let (lo, hi) = min_max(v0, v1);
+        for c in usize::from(lo.max(first))..usize::from(hi.min(last)) + 1 {
+            if ahead[c] > 0 {
+                counts[c] += elements(c as u8).count_ones();
+            }
+        }
+    }
+    assert_eq!(next, positions.len(), "changed positions lie inside the chunk");
+}
