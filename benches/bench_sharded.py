@@ -1,6 +1,7 @@
 """Trainer-side encoding: sharded (each rank diffs its own shards, dcr.trainer.
 ShardedPublisher) against gather-then-diff (rank 0 gathers every full tensor
 and diffs it with dcr.diff_tensors), on torch.distributed gloo processes.
+(The deltas of the two methods are compared byte for byte.)
 
 Per rank: encode wall time of one step and the peak resident memory it
 added (VmHWM after resetting it through /proc/self/clear_refs); the deltas
@@ -61,12 +62,22 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
             m = torch.rand(b.numel(), generator=gs) < args["rate"]
             b[m] += 1
 
+    def gather() -> dict[str, torch.Tensor] | None:
+        full = {}
+        for name, t in local.items():
+            parts = [torch.empty_like(t) for _ in range(world)] if rank == 0 else None
+            dist.gather(t, parts, dst=0)
+            if rank == 0:
+                full[name] = torch.cat(parts)
+        return full if rank == 0 else None
+
     result: dict = {"rank": rank, "world": world}
-    # Sharded: warm up one step, measure the next.
+    # Sharded: a first publish warms up and commits version 1, the next one is measured.
     pub = ShardedPublisher(pl)
     pub.start(local)
     step(1)
     pub.publish(local, _core.DeltaSink.file(Path(out) / "warm.delta") if rank == 0 else None)
+    base_full = gather()  # for the gather-then-diff reference below (untimed)
     step(2)
     dist.barrier()
     before = _reset_peak()
@@ -78,27 +89,16 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
     result["stages"] = rep.seconds
     del pub
 
-    # Gather-then-diff: rank 0 keeps the gathered baseline, gathers the new
-    # full tensors and diffs them.
-    def gather() -> dict[str, torch.Tensor] | None:
-        full = {}
-        for name, t in local.items():
-            parts = [torch.empty_like(t) for _ in range(world)] if rank == 0 else None
-            dist.gather(t, parts, dst=0)
-            if rank == 0:
-                full[name] = torch.cat(parts)
-        return full if rank == 0 else None
-
-    step(3)  # the version both methods start from
-    base_full = gather()
-    step(4)
+    # Gather-then-diff of the same step: rank 0 holds the gathered baseline,
+    # gathers the new full tensors and diffs them.
     dist.barrier()
     before = _reset_peak()
     t0 = time.perf_counter()
     new_full = gather()
     if rank == 0:
-        delta, stats = dcr.diff_tensors(base_full, new_full)
+        delta, stats = dcr.diff_tensors(base_full, new_full, base_version=1, target_version=2)
         result["gather_changed"] = stats["changed_elements"]
+        result["equal"] = delta == (Path(out) / "sharded.delta").read_bytes()
     result["gather_s"] = time.perf_counter() - t0
     result["gather_peak_added"] = _rss("VmHWM") - before
     result["full_bytes"] = n_tensors * rows * cols * 2
@@ -134,7 +134,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as d:
             mp.start_processes(_worker, args=(world, _port(), args, d), nprocs=world, join=True, start_method="spawn")
             rs = [json.loads(Path(d, f"r{r}.json").read_text()) for r in range(world)]
-            same = Path(d, "sharded.delta").exists()
+            same = bool(rs[0].get("equal"))
         r0 = rs[0]
         row = {
             "world": world,

@@ -440,7 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("old")
     d.add_argument("new")
     d.add_argument("-o", "--output", required=True, help="delta file to write (atomically)")
-    d.add_argument("--mode", choices=["free", "context"], default="free", help="codec mode (default: free)")
+    d.add_argument("--mode", choices=["free", "context"], default="context",
+                   help="codec mode (default: context, since every receiver reads its base; "
+                        "free: decodable from the payload alone)")
     d.add_argument("--kind", choices=["xor", "overwrite"], default="xor", help="change kind (default: xor)")
     d.add_argument("--chunk-mib", type=float, default=4.0, help="chunk size in MiB of input (default 4)")
     d.add_argument("--level", type=int, default=1, help="zstd level of the payload streams (default 1)")
