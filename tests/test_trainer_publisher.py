@@ -433,3 +433,38 @@ def test_sharded_publish_to_object_storage_then_receive(tmp_path):
     assert main(["receive", str(old_path), "--from", store]) == 0
     want = _save(_step(_model(DIMS), 0.03, seed=2), tmp_path / "new.safetensors").read_bytes()
     assert old_path.read_bytes() == want
+
+
+def _gpu_worker(rank: int, world: int, port: int, out: str) -> None:
+    try:
+        _init(rank, world, port)
+        from dcr.trainer import ShardedPublisher
+
+        old = _model(DIMS)
+        new = _step(old, 0.03, seed=2)
+        pl = _megatron_placements(DIMS, world, rank)
+        dev = f"cuda:{rank % torch.cuda.device_count()}"
+        loc_old = {k: v.to(dev) for k, v in _locals_from(old, pl).items()}
+        loc_new = {k: v.to(dev) for k, v in _locals_from(new, pl).items()}
+        pub = ShardedPublisher(pl, chunk_bytes=CHUNK, baseline_device="same")
+        pub.start(loc_old, version=3)
+        pub.publish(loc_new, _core.DeltaSink.file(Path(out) / "gpu.delta") if rank == 0 else None)
+        if rank == 0:
+            torch.save({"old": old, "new": new}, Path(out) / "full.pt")
+        dist.destroy_process_group()
+    except Exception:
+        (Path(out) / f"error{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_sharded_delta_equals_gathered_delta(tmp_path):
+    """GPU twin of test_megatron_sharded_delta_equals_gathered_delta: local
+    tensors and baselines on the GPU, changes compacted by the dcr CUDA diff
+    kernel; the CPU twin is the Megatron test above plus
+    test_cuda_scan_path_matches_the_cpu_scan."""
+    _spawn(_gpu_worker, 2, str(tmp_path))
+    full = torch.load(tmp_path / "full.pt")
+    gathered, _ = dcr.diff_tensors(full["old"], full["new"], chunk_bytes=CHUNK, base_version=3, target_version=4)
+    assert (tmp_path / "gpu.delta").read_bytes() == gathered
