@@ -278,7 +278,8 @@ class ShardedPublisher:
             hi = min(t.numel(), lo + self.scan_block)
             new = self._canonical_block(name, t, lo, hi)
             old = base[lo:hi]
-            if old.device.type == "cpu" and new.device.type == "cpu":
+            if old.device.type == "cpu":  # a host baseline: the block comes over, the Rust scan runs
+                new = new.to("cpu")
                 # One Rust pass: scan, project, move the digests.
                 new = new.contiguous()
                 nbytes = old.numel() * info.width
