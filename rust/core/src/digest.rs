@@ -449,7 +449,7 @@ mod tests {
                     let mut o = [0u8; 8];
                     o[..w].copy_from_slice(&b[e as usize * w..(e as usize + 1) * w]);
                     let old = u64::from_le_bytes(o);
-                    let new = (old ^ (k * 0x9E37_79B9_7F4A_7C15)) & (u64::MAX >> (64 - 8 * w));
+                    let new = (old ^ k.wrapping_mul(0x9E37_79B9_7F4A_7C15)) & (u64::MAX >> (64 - 8 * w));
                     WordChange { element: e + (k % 3) * (1 << 32), old, new }
                 })
                 .collect();
