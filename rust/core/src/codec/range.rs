@@ -82,6 +82,26 @@ impl RangeEncoder {
         }
     }
 
+    /// A branch-free decision coded only when `active` (otherwise nothing
+    /// changes): the decoder's `bit_masked`.
+    #[inline(always)]
+    pub fn bit_masked(&mut self, prob: &mut u16, bit: bool, active: bool) {
+        let p = u32::from(*prob);
+        let bound = (self.range >> PROB_BITS) * p;
+        let act = u32::from(active).wrapping_neg();
+        let one = u32::from(bit).wrapping_neg() & act;
+        let zero = !u32::from(bit).wrapping_neg() & act;
+        self.low += u64::from(bound & one);
+        self.range = (bound & zero) | (self.range.wrapping_sub(bound) & one) | (self.range & !act);
+        let up = ((1 << PROB_BITS) - p) >> MOVE_BITS;
+        let down = p >> MOVE_BITS;
+        *prob = p.wrapping_add(up & zero).wrapping_sub(down & one) as u16;
+        if self.range < TOP {
+            self.range <<= 8;
+            self.shift_low();
+        }
+    }
+
     /// `bits` low bits of `value`, each with probability one half.
     pub fn direct(&mut self, value: u64, bits: u32) {
         for i in (0..bits).rev() {
@@ -177,6 +197,39 @@ impl<'a> RangeDecoder<'a> {
         let down = p >> MOVE_BITS;
         *prob = p.wrapping_add(up & !one).wrapping_sub(down & one) as u16;
         self.normalize();
+        bit
+    }
+
+    /// `normalize` without a branch on the range: the renormalisation of
+    /// decisions near a coin toss is itself unpredictable.
+    #[inline(always)]
+    fn normalize_branchless(&mut self) {
+        let need = self.range < TOP;
+        let shift = u32::from(need) * 8;
+        // Past the end the stream reads as zeros; `overrun` tells.
+        let byte = if self.pos < self.buf.len() { u32::from(self.buf[self.pos]) } else { 0 };
+        self.range <<= shift;
+        self.code = (self.code << shift) | (byte & u32::from(need).wrapping_neg());
+        self.pos += usize::from(need);
+        debug_assert!(self.range >= TOP);
+    }
+
+    /// A branch-free decision read only when `active`: otherwise nothing
+    /// changes and the result is false.
+    #[inline(always)]
+    pub fn bit_masked(&mut self, prob: &mut u16, active: bool) -> bool {
+        let p = u32::from(*prob);
+        let bound = (self.range >> PROB_BITS) * p;
+        let bit = (self.code >= bound) & active;
+        let act = u32::from(active).wrapping_neg();
+        let one = u32::from(bit).wrapping_neg();
+        let zero = !one & act;
+        self.range = (bound & zero) | (self.range.wrapping_sub(bound) & one) | (self.range & !act);
+        self.code = self.code.wrapping_sub(bound & one);
+        let up = ((1 << PROB_BITS) - p) >> MOVE_BITS;
+        let down = p >> MOVE_BITS;
+        *prob = p.wrapping_add(up & zero).wrapping_sub(down & one) as u16;
+        self.normalize_branchless();
         bit
     }
 
