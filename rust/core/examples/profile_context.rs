@@ -47,6 +47,8 @@ fn main() {
         best = [best[0].min(t_enc), best[1].min(t_dec), best[2].min(t_hist)];
     }
     let gb = |s: f64| total as f64 / s / 1e9;
+    println!("context payload {payload} bytes for {changed} changed elements: {:.4} bytes per changed element", payload as f64 / changed as f64);
+    println!("context encode {:.2} GB/s, decode {:.2} GB/s, plain histogram pass {:.2} GB/s", gb(best[0]), gb(best[1]), gb(best[2]));
     // Whole-delta apply, as dcr apply does it.
     use dcr_core::delta::{apply, diff, read_delta, DiffOptions};
     use dcr_core::codec::Mode;
@@ -64,6 +66,4 @@ fn main() {
         best_apply = best_apply.min(t.elapsed().as_secs_f64());
     }
     println!("whole diff {:.2} GB/s, whole apply {:.2} GB/s ({} threads)", gb(t_diff), gb(best_apply), rayon::current_num_threads());
-    println!("context payload {payload} bytes for {changed} changed elements: {:.4} bytes per changed element", payload as f64 / changed as f64);
-    println!("context encode {:.2} GB/s, decode {:.2} GB/s, plain histogram pass {:.2} GB/s", gb(best[0]), gb(best[1]), gb(best[2]));
 }

@@ -11,9 +11,11 @@
 //!   up to the context's last change).
 //! - **Values**: the distance between old and new in representable steps
 //!   (ulps; exact integer arithmetic on an order-preserving map of the bit
-//!   pattern), in element order, through an adaptive binary range coder
-//!   whose probabilities are kept per context (sign also by the old sign;
-//!   magnitude in unary, escaping to Elias-gamma).
+//!   pattern), in element order: the signs as raw bits (a coin toss), the
+//!   magnitudes through an adaptive binary range coder whose probabilities
+//!   are kept per context (is it above one ulp, then its bit length in
+//!   unary and the bits below the leading one: an adaptive Elias-gamma
+//!   code). `docs/format.md` has the layout.
 //!
 //! No sorting. Exact for every bit pattern: the ordinal map is a bijection
 //! on words.
@@ -30,7 +32,7 @@
 //! element order.
 
 use super::range::{RangeDecoder, RangeEncoder, PROB_INIT};
-use super::streams::{get_varint, put_stream, put_varint, StreamReader};
+use super::streams::{get_varint, put_stored, put_stream, put_varint, StreamReader};
 use super::{ChangeKind, SparseChanges, Word};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -114,65 +116,111 @@ impl ContextModel {
         self.from_ordinal(self.ordinal(old).wrapping_add(step as u64) & self.word_mask())
     }
 
-    #[inline(always)]
-    fn sign(&self, word: u64) -> usize {
-        ((word >> (self.bits() - 1)) & 1) as usize
-    }
 }
 
-/// Adaptive probabilities of the ulp steps, per context.
-const UNARY: usize = 8;
+/// Probabilities of a magnitude: `[0]` more than one ulp; `[1..16]` the
+/// unary decisions of the bit length class (decision `i` at `min(i, 15)`);
+/// `[16..32]` the bit below the leading one, by class (lengths 2..=17, the
+/// longer ones sharing the last).
+const ROW: usize = 32;
+const CLASS: usize = 1;
+const CLASS_SHARED: usize = 15;
+const MANTISSA: usize = 16;
 
-/// Per context, one row of probabilities: the sign (by the old value's
-/// sign), then the unary magnitude decisions. One row per context keeps a
-/// change's probabilities in one cache line.
+/// One row per context, one cache line.
+#[derive(Clone)]
+#[repr(align(64))]
+struct Row([u16; ROW]);
+
+/// Adaptive probabilities of the ulp step magnitudes, per context. The sign
+/// of a step is a coin toss (as often up as down, whatever the old sign),
+/// so it is stored as a raw bit outside the range coder.
+///
+/// A magnitude `v = |step| - 1` is coded as: `v > 0` (one decision); when
+/// it is, the bit length `nb` of `v` (1..=64) in unary (`nb - 1` ones and,
+/// below 64, a zero), then the `nb - 1` bits below its leading one, the
+/// first with an adaptive probability and the others direct. No escape:
+/// every 64-bit magnitude has a code.
 struct StepModel {
-    rows: Vec<[u16; 2 + UNARY]>,
+    rows: Vec<Row>,
 }
 
 impl StepModel {
     fn new(contexts: usize) -> Self {
-        StepModel { rows: vec![[PROB_INIT; 2 + UNARY]; contexts] }
+        StepModel { rows: vec![Row([PROB_INIT; ROW]); contexts] }
+    }
+
+    /// The magnitude `v = |step| - 1` of a change in context `ctx`. The
+    /// first decision (is it more than one ulp?) is coded without branches;
+    /// the rest only when it is.
+    #[inline(always)]
+    fn encode(&mut self, rc: &mut RangeEncoder, ctx: usize, v: u64) {
+        let row = &mut self.rows[ctx].0;
+        rc.bit_unpredictable(&mut row[0], v > 0);
+        rc.bit_masked(&mut row[CLASS], v > 1, v > 0);
+        if v > 1 {
+            Self::encode_rest(rc, row, v);
+        }
     }
 
     #[inline(always)]
-    fn encode(&mut self, rc: &mut RangeEncoder, ctx: usize, old_sign: usize, step: i64) {
-        let row = &mut self.rows[ctx];
-        rc.bit_unpredictable(&mut row[old_sign & 1], step < 0);
-        let v = step.unsigned_abs() - 1; // steps are never 0
-        for i in 0..UNARY {
-            let more = v > i as u64;
-            rc.bit(&mut row[2 + i], more);
+    fn encode_rest(rc: &mut RangeEncoder, row: &mut [u16; ROW], v: u64) {
+        let nb = 64 - v.leading_zeros() as usize;
+        for i in 2..64 {
+            let more = nb > i;
+            rc.bit(&mut row[CLASS + (i - 1).min(CLASS_SHARED - 1)], more);
             if !more {
-                return;
+                break;
             }
         }
-        let r = v - UNARY as u64 + 1;
-        let nbits = 64 - r.leading_zeros();
-        rc.direct(u64::from(nbits), 7);
-        rc.direct(r, nbits - 1);
+        if nb >= 2 {
+            rc.bit(&mut row[MANTISSA + (nb - 2).min(15)], (v >> (nb - 2)) & 1 == 1);
+            rc.direct(v, nb as u32 - 2);
+        }
+    }
+
+    /// `|step| - 1` (every code is a magnitude).
+    #[inline(always)]
+    fn decode(&mut self, rc: &mut RangeDecoder<'_>, ctx: usize) -> u64 {
+        let row = &mut self.rows[ctx].0;
+        let nonzero = rc.bit_unpredictable(&mut row[0]);
+        if nonzero && rc.bit(&mut row[CLASS]) {
+            Self::decode_rest(rc, row)
+        } else {
+            u64::from(nonzero)
+        }
     }
 
     #[inline(always)]
-    fn decode(&mut self, rc: &mut RangeDecoder<'_>, ctx: usize, old_sign: usize) -> Option<i64> {
-        let row = &mut self.rows[ctx];
-        let negative = rc.bit_unpredictable(&mut row[old_sign & 1]);
-        let mut v = 0usize;
-        while v < UNARY && rc.bit(&mut row[2 + v]) {
-            v += 1;
+    fn decode_rest(rc: &mut RangeDecoder<'_>, row: &mut [u16; ROW]) -> u64 {
+        let mut nb = 2usize;
+        while nb < 64 && rc.bit(&mut row[CLASS + (nb - 1).min(CLASS_SHARED - 1)]) {
+            nb += 1;
         }
-        let mut v = v as u64;
-        if v as usize == UNARY {
-            let nbits = rc.direct(7) as u32;
-            if nbits == 0 || nbits > 64 {
-                return None;
-            }
-            let r = (1u64 << (nbits - 1)) | rc.direct(nbits - 1);
-            v = r.checked_add(UNARY as u64 - 1)?;
+        if nb < 2 {
+            return 1;
         }
-        let a = v.checked_add(1)?;
-        Some(if negative { (a as i64).wrapping_neg() } else { a as i64 })
+        let second = u64::from(rc.bit(&mut row[MANTISSA + (nb - 2).min(15)]));
+        let low = rc.direct(nb as u32 - 2);
+        (1u64 << (nb - 1)) | (second << (nb - 2)) | low
     }
+}
+
+/// The step of magnitude `v + 1`, negative when `negative`.
+#[inline(always)]
+fn signed_step(v: u64, negative: bool) -> i64 {
+    let a = v.wrapping_add(1) as i64;
+    if negative {
+        a.wrapping_neg()
+    } else {
+        a
+    }
+}
+
+/// Whether change `j` has a negative step: bit `j % 8` of byte `j / 8`.
+#[inline(always)]
+fn sign_bit(signs: &[u8], j: usize) -> bool {
+    (signs[j / 8] >> (j % 8)) & 1 == 1
 }
 
 // ------------------------------------------------------------ bit streams
@@ -365,6 +413,7 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
     let mut steps = StepModel::new(nctx);
     let mut rc = RangeEncoder::default();
     let positions = &changes.positions;
+    let mut signs = BitWriter::new();
     let ranks = ranks::<T>(old, model, positions);
     // At each change: its gap within its context and its ulp step.
     for (&p, &rank) in positions.iter().zip(&ranks) {
@@ -373,7 +422,10 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
         let c = model.context(o);
         gaps[c].push(rank - next_free[c]);
         next_free[c] = rank + 1;
-        steps.encode(&mut rc, c, model.sign(o), model.step(o, T::load(&new[p * w..(p + 1) * w])));
+        let step = model.step(o, T::load(&new[p * w..(p + 1) * w]));
+        signs.put(u64::from(step < 0), 1);
+        // Steps are never 0.
+        steps.encode(&mut rc, c, step.unsigned_abs() - 1);
     }
     // Per context: Rice with the best parameter, or one flag per element
     // up to its last change when that is cheaper (dense contexts).
@@ -419,12 +471,12 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
         prev_ctx = c;
         listed += 1;
     }
-    let values = rc.finish();
     let mut out = Vec::new();
     put_varint(&mut out, listed);
     put_stream(&mut out, &table, level);
     put_stream(&mut out, &body, level);
-    put_stream(&mut out, &values, level);
+    put_stored(&mut out, &signs.finish());
+    put_stored(&mut out, &rc.finish());
     out
 }
 
@@ -490,6 +542,9 @@ struct Listed {
 struct Parsed {
     listed: Vec<Listed>,
     body: Vec<u8>,
+    /// One bit per change: its step is negative.
+    signs: Vec<u8>,
+    /// The range-coded step magnitudes.
     values: Vec<u8>,
 }
 
@@ -503,7 +558,9 @@ fn parse(payload: &[u8], n: usize, m: usize, nctx: usize, context: &str) -> Resu
     let mut r = StreamReader::new(&payload[pos..], context);
     let table = r.next("context table", 0, count * 32)?;
     let body = r.next("positions", 0, n.div_ceil(8) + m * 9 + count)?;
-    let values = r.next("ulp steps", 5, m * 24 + 5)?;
+    let signs = r.next("step signs", m.div_ceil(8), m.div_ceil(8))?;
+    // At most 127 decisions of at most 6 bits each per change.
+    let values = r.next("ulp steps", 5, m * 96 + 5)?;
     r.finish()?;
 
     let mut listed = Vec::with_capacity(count);
@@ -530,7 +587,7 @@ fn parse(payload: &[u8], n: usize, m: usize, nctx: usize, context: &str) -> Resu
     if tpos != table.len() || bpos != body.len() || total != m as u64 {
         return Err(bad("context table does not match the chunk's change count"));
     }
-    Ok(Parsed { listed, body, values })
+    Ok(Parsed { listed, body, signs, values })
 }
 
 /// A context that has no (more) changes never counts down to zero.
@@ -597,16 +654,36 @@ fn decode_words<T: Word>(
                 NEVER
             };
         }
-        let step = steps.decode(&mut rc, c, model.sign(o)).ok_or_else(|| bad("bad ulp step"))?;
+        let j = out.positions.len();
+        let v = steps.decode(&mut rc, c);
         if rc.overrun() {
             return Err(bad("ulp step stream ends early"));
         }
+        let step = signed_step(v, sign_bit(&parsed.signs, j));
         push_change(&mut out, i, o, model.apply_step(o, step), kind).ok_or_else(|| bad("a listed change does not change its element"))?;
     }
     if remaining.iter().any(|&r| r > 0) || out.positions.len() != m {
         return Err(bad("positions or steps left over after the last element"));
     }
     Ok(out)
+}
+
+/// The value of a change of `old` by magnitude `v + 1` and sign into `out`; true when it leaves the element unchanged (a
+/// corrupt payload). `model.apply_step` with the word width known.
+#[inline(always)]
+fn change<T: Word>(model: &ContextModel, kind: ChangeKind, old: u64, v: u64, negative: bool, out: &mut u64) -> bool {
+    let bits = 8 * T::BYTES as u32;
+    let sign = 1u64 << (bits - 1);
+    let word_mask = u64::MAX >> (64 - bits);
+    let flip = if model.float { sign - 1 } else { 0 };
+    let ordinal = |x: u64| if x & sign != 0 { x ^ flip } else { x };
+    let step = signed_step(v, negative);
+    let new = ordinal(ordinal(old).wrapping_add(step as u64) & word_mask);
+    *out = match kind {
+        ChangeKind::Xor => old ^ new,
+        ChangeKind::Overwrite => new,
+    };
+    new == old
 }
 
 /// Record the change of element `i` from `old` to `new`; `None` when the
@@ -721,22 +798,23 @@ fn decode_expanded<T: Word>(
     if positions.len() != m {
         return Err(bad("positions or steps left over after the last element"));
     }
-    // The ulp steps, in element order.
-    let mut values = Vec::with_capacity(m);
+    // The ulp steps, in element order. The coder's state and the model's
+    // fields are kept in locals, so that they stay in registers.
     let mut steps = StepModel::new(nctx);
     let mut rc = RangeDecoder::new(&parsed.values).ok_or_else(|| bad("ulp step stream too short"))?;
     let w = T::BYTES;
-    for &p in &positions {
+    let signs = &parsed.signs[..];
+    let local = *model;
+    let mut values = vec![0u64; m];
+    // Refused after the loop: a change that does not change its element.
+    let mut unchanged = false;
+    for (j, (&p, out)) in positions.iter().zip(values.iter_mut()).enumerate() {
         let o = T::load(&old[p as usize * w..][..w]);
-        let step = steps.decode(&mut rc, model.context(o), model.sign(o)).ok_or_else(|| bad("bad ulp step"))?;
-        let new = model.apply_step(o, step);
-        if new == o {
-            return Err(bad("a listed change does not change its element"));
-        }
-        values.push(match kind {
-            ChangeKind::Xor => o ^ new,
-            ChangeKind::Overwrite => new,
-        });
+        let v = steps.decode(&mut rc, local.context(o));
+        unchanged |= change::<T>(&local, kind, o, v, sign_bit(signs, j), out);
+    }
+    if unchanged {
+        return Err(bad("a listed change does not change its element"));
     }
     if rc.overrun() {
         return Err(bad("ulp step stream ends early"));

@@ -82,6 +82,26 @@ impl RangeEncoder {
         }
     }
 
+    /// A branch-free decision coded only when `active` (otherwise nothing
+    /// changes): the decoder reads it with `bit` only when `active`.
+    #[inline(always)]
+    pub fn bit_masked(&mut self, prob: &mut u16, bit: bool, active: bool) {
+        let p = u32::from(*prob);
+        let bound = (self.range >> PROB_BITS) * p;
+        let act = u32::from(active).wrapping_neg();
+        let one = u32::from(bit).wrapping_neg() & act;
+        let zero = !u32::from(bit).wrapping_neg() & act;
+        self.low += u64::from(bound & one);
+        self.range = (bound & zero) | (self.range.wrapping_sub(bound) & one) | (self.range & !act);
+        let up = ((1 << PROB_BITS) - p) >> MOVE_BITS;
+        let down = p >> MOVE_BITS;
+        *prob = p.wrapping_add(up & zero).wrapping_sub(down & one) as u16;
+        if self.range < TOP {
+            self.range <<= 8;
+            self.shift_low();
+        }
+    }
+
     /// `bits` low bits of `value`, each with probability one half.
     pub fn direct(&mut self, value: u64, bits: u32) {
         for i in (0..bits).rev() {
@@ -220,6 +240,31 @@ mod tests {
         for (i, (bit, v)) in truth.into_iter().enumerate() {
             assert_eq!(d.bit(&mut probs[i % 4]), bit);
             assert_eq!(d.direct(7), v);
+        }
+        assert!(!d.overrun());
+    }
+
+    #[test]
+    fn masked_bits_are_coded_only_when_active() {
+        let mut probs = [PROB_INIT; 2];
+        let mut e = RangeEncoder::default();
+        let mut x = 99u64;
+        let mut truth = Vec::new();
+        for _ in 0..20_000 {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let (active, bit) = ((x >> 40) % 3 != 0, (x >> 50) % 4 == 0);
+            e.bit_unpredictable(&mut probs[0], active);
+            e.bit_masked(&mut probs[1], bit, active);
+            truth.push((active, bit));
+        }
+        let out = e.finish();
+        let mut probs = [PROB_INIT; 2];
+        let mut d = RangeDecoder::new(&out).unwrap();
+        for (active, bit) in truth {
+            assert_eq!(d.bit_unpredictable(&mut probs[0]), active);
+            if active {
+                assert_eq!(d.bit(&mut probs[1]), bit);
+            }
         }
         assert!(!d.overrun());
     }

@@ -76,6 +76,14 @@ pub fn put_stream(out: &mut Vec<u8>, data: &[u8], zstd_level: i32) {
 }
 
 /// Reads streams from a payload, front to back.
+/// A stream stored as is, for data that zstd cannot shrink (range-coder
+/// output, raw sign bits): trying would only cost time.
+pub fn put_stored(out: &mut Vec<u8>, data: &[u8]) {
+    out.push(STORED);
+    put_varint(out, data.len() as u64);
+    out.extend_from_slice(data);
+}
+
 pub struct StreamReader<'a> {
     rest: &'a [u8],
     context: &'a str,
