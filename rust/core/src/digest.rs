@@ -99,15 +99,15 @@ impl DigestSum {
 
     fn add_unit(&mut self, index: u64, unit: u32) {
         let h = unit_hash(index, unit);
-        for l in 0..LANES {
-            self.0[l] = self.0[l].wrapping_add(h[l]);
+        for (s, x) in self.0.iter_mut().zip(h) {
+            *s = s.wrapping_add(x);
         }
     }
 
     fn sub_unit(&mut self, index: u64, unit: u32) {
         let h = unit_hash(index, unit);
-        for l in 0..LANES {
-            self.0[l] = self.0[l].wrapping_sub(h[l]);
+        for (s, x) in self.0.iter_mut().zip(h) {
+            *s = s.wrapping_sub(x);
         }
     }
 

@@ -27,7 +27,7 @@ fn digest_of(b: &[u8], what: &str) -> PyResult<Digest> {
 }
 
 fn u64s(b: &[u8], what: &str) -> PyResult<Vec<u64>> {
-    if b.len() % 8 != 0 {
+    if !b.len().is_multiple_of(8) {
         return Err(pyo3::exceptions::PyValueError::new_err(format!("{what}: {} bytes is not a whole number of uint64", b.len())));
     }
     Ok(b.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
@@ -232,7 +232,7 @@ impl ComposedDelta {
         xor: &[u8],
         zstd_level: i32,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        if positions.len() % 4 != 0 {
+        if !positions.len().is_multiple_of(4) {
             return Err(pyo3::exceptions::PyValueError::new_err("positions: not a whole number of uint32"));
         }
         let changes = SparseChanges {
@@ -250,7 +250,7 @@ impl ComposedDelta {
 
 enum Dest {
     File { path: PathBuf, partial: PathBuf, file: std::fs::File },
-    Relay { cfg: PublishConfig, version: u64, publisher: Option<BlockingPublisher>, expect_acks: usize, ack_timeout: Duration },
+    Relay { cfg: Box<PublishConfig>, version: u64, publisher: Option<BlockingPublisher>, expect_acks: usize, ack_timeout: Duration },
     Objstore { publisher: Box<objstore::Publisher> },
     Done,
 }
@@ -291,7 +291,7 @@ impl DeltaSink {
         cfg.key = key_file.map(PreSharedKey::from_file).transpose().map_err(to_py)?;
         cfg.standby = standby;
         Ok(DeltaSink {
-            dest: Dest::Relay { cfg, version, publisher: None, expect_acks, ack_timeout: Duration::from_secs_f64(ack_timeout_s) },
+            dest: Dest::Relay { cfg: Box::new(cfg), version, publisher: None, expect_acks, ack_timeout: Duration::from_secs_f64(ack_timeout_s) },
             bytes: 0,
             frames: 0,
             trailer_seen: false,
@@ -328,7 +328,7 @@ impl DeltaSink {
                 Dest::File { partial, file, .. } => file.write_all(blob).map_err(|e| Error::io("write", &*partial, e)),
                 Dest::Relay { cfg, version, publisher, .. } => {
                     if first {
-                        *publisher = Some(BlockingPublisher::connect(cfg.clone(), *version, bytes::Bytes::copy_from_slice(blob))?);
+                        *publisher = Some(BlockingPublisher::connect((**cfg).clone(), *version, bytes::Bytes::copy_from_slice(blob))?);
                         return Ok(());
                     }
                     let p = publisher.as_mut().ok_or(Error::Closed("publisher"))?;
