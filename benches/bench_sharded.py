@@ -104,7 +104,9 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
     result["full_bytes"] = n_tensors * rows * cols * 2
     result["shard_bytes"] = n_tensors * rows * cols * 2 // world
     Path(out, f"r{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
     dist.destroy_process_group()
+    os._exit(0)  # torch's C++ threads sometimes abort at interpreter teardown
 
 
 def _port() -> int:

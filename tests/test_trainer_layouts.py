@@ -356,8 +356,13 @@ def _dtensor_worker(rank: int, world: int, port: int, out: str) -> None:
             if rank == 0:
                 saved[f"{name}|full"] = full.numpy()
         np.savez(Path(out) / f"rank{rank}.npz", **saved)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Skip the interpreter's teardown: torch's C++ threads destroyed at exit
+    # sometimes abort a finished process ("terminate called without an
+    # active exception").
+    os._exit(0)
 
 
 def _free_port() -> int:

@@ -41,6 +41,16 @@ def _init(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
+def _finish() -> None:
+    """Leave the group together, then exit without the interpreter's
+    teardown: torch's C++ threads (gloo, FSDP2's device mesh) destroyed in
+    arbitrary order at exit sometimes abort the process ("terminate called
+    without an active exception") after its work and files are done."""
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
@@ -159,7 +169,7 @@ def _megatron_worker(rank: int, world: int, port: int, out: str, master: bool) -
                 "chunks": report.chunks, "committed": report.committed, "bytes": report.delta_bytes,
                 "v2": [report2.base_version, report2.target_version, report2.changed],
             }))
-        dist.destroy_process_group()
+        _finish()
     except Exception:
         (Path(out) / f"error{rank}.txt").write_text(traceback.format_exc())
         raise
@@ -217,7 +227,7 @@ def _dtensor_worker(rank: int, world: int, port: int, out: str) -> None:
         pub.publish(model, sink)
         if rank == 0:
             torch.save({"old": full_old, "new": full_new}, Path(out) / "full.pt")
-        dist.destroy_process_group()
+        _finish()
     except Exception:
         (Path(out) / f"error{rank}.txt").write_text(traceback.format_exc())
         raise
@@ -259,7 +269,7 @@ def _rss_worker(rank: int, world: int, port: int, out: str) -> None:
         peak = _rss("VmHWM")
         (Path(out) / f"rss{rank}.json").write_text(json.dumps({"growth": peak - before, "traced": traced,
                                                                "full": rows * cols * 2}))
-        dist.destroy_process_group()
+        _finish()
     except Exception:
         (Path(out) / f"error{rank}.txt").write_text(traceback.format_exc())
         raise
@@ -341,7 +351,7 @@ def _moe_worker(rank: int, world: int, port: int, out: str) -> None:
         model.save_pretrained(Path(out) / "after")
         report = pub.publish(model, _core.DeltaSink.file(Path(out) / "moe.delta"))
         assert report.changed > 0 and report.committed
-        dist.destroy_process_group()
+        _finish()
     except Exception:
         (Path(out) / f"error{rank}.txt").write_text(traceback.format_exc())
         raise
@@ -373,7 +383,7 @@ def _transport_worker(rank: int, world: int, port: int, out: str, how: str, wher
         report = pub.publish(_locals_from(new, pl), sink)
         if rank == 0:
             (Path(out) / "report.json").write_text(json.dumps({"committed": report.committed, "sink": report.sink}))
-        dist.destroy_process_group()
+        _finish()
     except Exception:
         (Path(out) / f"error{rank}.txt").write_text(traceback.format_exc())
         raise
@@ -451,7 +461,7 @@ def _gpu_worker(rank: int, world: int, port: int, out: str) -> None:
         pub.publish(loc_new, _core.DeltaSink.file(Path(out) / "gpu.delta") if rank == 0 else None)
         if rank == 0:
             torch.save({"old": old, "new": new}, Path(out) / "full.pt")
-        dist.destroy_process_group()
+        _finish()
     except Exception:
         (Path(out) / f"error{rank}.txt").write_text(traceback.format_exc())
         raise
