@@ -388,8 +388,7 @@ class ShardedPublisher:
         per_round = max(1, self.round_bytes // self.chunk_bytes)
         for lo in range(0, int(self.first_chunk[-1]), per_round):
             a, b = np.searchsorted(gid, [lo, lo + per_round])
-            frames, n_round, seq_after, changed = self._round(composed, records[a:b], gid[a:b], seq)
-            seq = seq_after
+            frames, seq, changed = self._round(composed, records[a:b], gid[a:b], seq)
             n_changed += changed
             if self.rank == 0 and failure is None:
                 try:
@@ -442,10 +441,11 @@ class ShardedPublisher:
         return np.frombuffer(rec, dtype=_RECORD), np.frombuffer(gid, dtype="<u8").astype(np.int64)
 
     def _round(self, composed: Any, rec: np.ndarray, gid: np.ndarray, seq: int
-               ) -> tuple[list[bytes], int, int, int]:
+               ) -> tuple[list[bytes], int, int]:
         """Exchange, number and encode the chunks whose global ids this round
         covers (``rec``: this rank's changes in them, sorted by chunk id);
-        returns rank 0's frames in order (empty elsewhere)."""
+        returns rank 0's frames in order (empty elsewhere), the next sequence
+        number and the round's changed elements."""
         owner = gid % self.world
         order = np.argsort(owner, kind="stable")
         rec, owner = rec[order], owner[order]
@@ -483,7 +483,7 @@ class ShardedPublisher:
         ordered: list[bytes] = []
         if self.rank == 0:
             ordered = [f for _, f in sorted((x for part in gathered for x in part), key=lambda x: x[0])]
-        return ordered, len(all_keys), seq + len(all_keys), total_changed
+        return ordered, seq + len(all_keys), total_changed
 
     # ------------------------------------------------------------------ commit
 

@@ -467,17 +467,22 @@ pub fn apply(delta: &Delta, layout: &Layout, targets: &mut [&mut [u8]]) -> Resul
     apply_from(delta, layout, targets, None)
 }
 
+/// The target's tensor digests: the ones the caller vouches for, or a full pass.
+fn base_digests_of(layout: &Layout, targets: &[&mut [u8]], known_base: Option<&[Digest]>) -> Result<Vec<Digest>> {
+    match known_base {
+        Some(d) if d.len() == layout.len() => Ok(d.to_vec()),
+        Some(d) => Err(Error::Invalid(format!("{} known base digests for {} tensors", d.len(), layout.len()))),
+        None => Ok(layout.tensor_digests(&targets.iter().map(|t| &**t).collect::<Vec<_>>())),
+    }
+}
+
 /// [`apply`] with the target's tensor digests already known (a receiver
 /// that committed them and vouches that nothing else wrote the target since):
 /// no full pass over the target. The target digests are verified as the
 /// known digests moved by the words each chunk wrote.
 pub fn apply_from(delta: &Delta, layout: &Layout, targets: &mut [&mut [u8]], known_base: Option<&[Digest]>) -> Result<ApplyOutcome> {
     layout.check_buffers(targets.iter().map(|t| t.len()))?;
-    let digests = match known_base {
-        Some(d) if d.len() == layout.len() => d.to_vec(),
-        Some(d) => return Err(Error::Invalid(format!("{} known base digests for {} tensors", d.len(), layout.len()))),
-        None => layout.tensor_digests(&targets.iter().map(|t| &**t).collect::<Vec<_>>()),
-    };
+    let digests = base_digests_of(layout, targets, known_base)?;
     if check_base(&delta.header, layout, &digests)? {
         return Ok(ApplyOutcome::AlreadyAtTarget);
     }
@@ -649,11 +654,7 @@ impl<'t> StreamApplier<'t> {
     ) -> Result<Option<Self>> {
         let header = parse_header_blob(header_blob)?;
         layout.check_buffers(targets.iter().map(|t| t.len()))?;
-        let base_digests = match known_base {
-            Some(d) if d.len() == layout.len() => d.to_vec(),
-            Some(d) => return Err(Error::Invalid(format!("{} known base digests for {} tensors", d.len(), layout.len()))),
-            None => layout.tensor_digests(&targets.iter().map(|t| &**t).collect::<Vec<_>>()),
-        };
+        let base_digests = base_digests_of(layout, &targets, known_base)?;
         if check_base(&header, layout, &base_digests)? {
             return Ok(None);
         }

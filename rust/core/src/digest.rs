@@ -142,12 +142,6 @@ impl DigestSum {
             self.add_unit(element, word as u32);
         }
     }
-
-    /// Add every element of `bytes` (whole words of `word_bytes`), the first
-    /// being element `first_element` of its tensor.
-    pub fn add_words(&mut self, bytes: &[u8], word_bytes: usize, first_element: u64) {
-        *self = self.plus(sum_words(bytes, word_bytes, first_element));
-    }
 }
 
 /// Digest of one tensor's stored bytes (`word_bytes`: the dtype's codec word),

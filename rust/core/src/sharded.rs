@@ -215,9 +215,8 @@ pub fn sort_records(parts: &[&[u8]], chunk_words: &[u64], first_chunk: &[u64]) -
     let all: Vec<&[u8]> = parts.iter().flat_map(|p| p.chunks_exact(RECORD_BYTES)).collect();
     let mut keyed: Vec<(u64, u64, u32)> = all.iter().enumerate().map(|(i, r)| key(r).map(|(g, e)| (g, e, i as u32))).collect::<Result<_>>()?;
     keyed.par_sort_unstable();
-    for &(g, _, i) in &keyed {
+    for &(_, _, i) in &keyed {
         out.extend_from_slice(all[i as usize]);
-        let _ = g;
     }
     Ok((out, keyed.into_iter().map(|(g, _, _)| g).collect()))
 }

@@ -267,10 +267,6 @@ pub struct DeltaSink {
     trailer_seen: bool,
 }
 
-fn frame_tag(blob: &[u8]) -> Option<u8> {
-    blob.first().copied()
-}
-
 #[pymethods]
 impl DeltaSink {
     /// Write to `path` (through `path.partial`, fsynced and renamed at finish).
@@ -322,7 +318,7 @@ impl DeltaSink {
         if first && format::parse_preamble(blob).map_err(to_py)?.is_none() {
             return Err(pyo3::exceptions::PyValueError::new_err("the first blob must be the preamble and header frame"));
         }
-        let is_trailer = !first && frame_tag(blob) == Some(format::TAG_TRAILER);
+        let is_trailer = !first && blob.first() == Some(&format::TAG_TRAILER);
         py.detach(|| -> dcr_core::Result<()> {
             match &mut self.dest {
                 Dest::File { partial, file, .. } => file.write_all(blob).map_err(|e| Error::io("write", &*partial, e)),
