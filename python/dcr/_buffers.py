@@ -58,6 +58,20 @@ class Span(NamedTuple):
     owner: Any
 
 
+_TORCH_DTYPES: dict[Any, str | None] = {}
+
+
+def _torch_dtype_name(dtype: Any) -> str | None:
+    """The safetensors name of a torch dtype (memoised: a refit passes
+    hundreds of tensors of a handful of dtypes)."""
+    try:
+        return _TORCH_DTYPES[dtype]
+    except KeyError:
+        name = _TORCH_DTYPE_NAMES.get(str(dtype).removeprefix("torch."))
+        _TORCH_DTYPES[dtype] = name
+        return name
+
+
 def _is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
 
@@ -65,19 +79,19 @@ def _is_torch(x: Any) -> bool:
 def span_of(name: str, x: Any, *, writable: bool = False) -> Span:
     """Describe one tensor or array as a span, or raise a clear TypeError/ValueError."""
     if _is_torch(x):
-        if x.device.type != "cpu":
+        if not x.is_cpu:
             raise ValueError(
                 f"tensor {name!r} is on {x.device}; the CPU path needs CPU tensors "
                 "(GPU tensors go through dcr.cuda)"
             )
         if not x.is_contiguous():
             raise ValueError(f"tensor {name!r} is not contiguous; pass t.contiguous()")
-        dtype_name = str(x.dtype).removeprefix("torch.")
-        if dtype_name not in _TORCH_DTYPE_NAMES:
+        dtype_name = _torch_dtype_name(x.dtype)
+        if dtype_name is None:
             raise TypeError(f"tensor {name!r} has dtype {x.dtype}, which safetensors cannot store")
         if writable and x.requires_grad and x.is_leaf:
             x = x.detach()
-        return Span(name, _TORCH_DTYPE_NAMES[dtype_name], list(x.shape), x.data_ptr(), x.numel() * x.element_size(), x)
+        return Span(name, dtype_name, list(x.shape), x.data_ptr(), x.nbytes, x)
     a = np.asarray(x) if not isinstance(x, np.ndarray) else x
     if not a.flags["C_CONTIGUOUS"]:
         raise ValueError(f"array {name!r} is not C-contiguous; pass np.ascontiguousarray(a)")

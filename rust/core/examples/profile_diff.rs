@@ -1,6 +1,7 @@
 //! Time the stages of a diff and an apply on two safetensors files, on one
 //! thread: `cargo run --release -p dcr-core --example profile_diff OLD NEW`.
 //! Prints the median of the repeats for each stage, in GB/s of checkpoint.
+//! `... OLD NEW REPEATS STAGE` runs only the stages whose names contain STAGE.
 use std::time::{Duration, Instant};
 
 use dcr_core::checkpoint::ReadOnlyCheckpoint;
@@ -17,6 +18,9 @@ fn main() {
     let a = ReadOnlyCheckpoint::open(&args[1]).unwrap();
     let b = ReadOnlyCheckpoint::open(&args[2]).unwrap();
     let repeats: usize = args.get(3).map_or(15, |r| r.parse().unwrap());
+    // An optional fourth argument runs only the stages whose names contain it
+    // (for `perf record`).
+    let only = args.get(4).cloned().unwrap_or_default();
     let layout = a.layout().clone();
     let (ob, nb) = (a.buffers(), b.buffers());
     let total: usize = ob.iter().map(|x| x.len()).sum();
@@ -24,11 +28,17 @@ fn main() {
     let base_digests = layout.tensor_digests(&ob);
     let opts = DiffOptions::default();
     let mut delta_bytes = Vec::new();
-    delta::diff(&layout, &ob, &nb, &opts, &mut |f| Ok(delta_bytes.extend_from_slice(f)), &mut |_, _| {}).unwrap();
+    delta::diff(&layout, &ob, &nb, &opts, &mut |f| {
+        let _: () = delta_bytes.extend_from_slice(f);
+        Ok(())
+    }, &mut |_, _| {}).unwrap();
     let parsed = delta::read_delta(&delta_bytes).unwrap();
 
     let mut stages: Vec<(&str, Vec<Duration>)> = Vec::new();
     let mut time = |name: &'static str, f: &mut dyn FnMut()| {
+        if !name.contains(only.as_str()) {
+            return;
+        }
         let mut v = Vec::new();
         for _ in 0..repeats {
             let t = Instant::now();
@@ -68,16 +78,25 @@ fn main() {
         });
         time("diff, base digests known", &mut || {
             let mut n = 0usize;
-            delta::diff_from(&layout, &ob, &nb, Some(&base_digests), &opts, &mut |f| Ok(n += f.len()), &mut |_, _| {}).unwrap();
+            delta::diff_from(&layout, &ob, &nb, Some(&base_digests), &opts, &mut |f| {
+                let _: () = n += f.len();
+                Ok(())
+            }, &mut |_, _| {}).unwrap();
         });
         time("diff, base digested", &mut || {
             let mut n = 0usize;
-            delta::diff(&layout, &ob, &nb, &opts, &mut |f| Ok(n += f.len()), &mut |_, _| {}).unwrap();
+            delta::diff(&layout, &ob, &nb, &opts, &mut |f| {
+                let _: () = n += f.len();
+                Ok(())
+            }, &mut |_, _| {}).unwrap();
         });
     });
     // Apply: each repeat starts from a fresh copy of the base (copy not timed).
     let mut work: Vec<Vec<u8>> = ob.iter().map(|b| b.to_vec()).collect();
     let mut time_apply = |name: &'static str, known: bool| {
+        if !name.contains(only.as_str()) {
+            return;
+        }
         let mut v = Vec::new();
         for _ in 0..repeats {
             for (w, o) in work.iter_mut().zip(&ob) {

@@ -178,8 +178,8 @@ pub fn diff_from(
             .par_iter()
             .map(|u| {
                 let r = byte_range(u);
-                let xor = codec::find_changes(&old[u.tensor][r.clone()], &new[u.tensor][r.clone()], width(u), ChangeKind::Xor)?;
-                let moved = xor.digest_moved_by_xor(&old[u.tensor][r], width(u), u.start);
+                let (xor, moved) =
+                    codec::find_changes_tracked(&old[u.tensor][r.clone()], &new[u.tensor][r], width(u), ChangeKind::Xor, u.start)?;
                 let cost = xor.positions.len() * 12;
                 let keep = budget
                     .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |left| left.checked_sub(cost))
@@ -316,7 +316,7 @@ pub fn check_chunk(header: &DeltaHeader, chunk: &ChunkFrame) -> Result<std::ops:
         .ok_or_else(|| Error::corrupt(ctx(), format!("tensor index {} but the delta has {} tensors", chunk.tensor, header.layout.len())))?;
     let words = spec.words()?;
     let k = header.chunk_words(spec);
-    if chunk.start % k != 0 || chunk.start >= words || u64::from(chunk.len) != k.min(words - chunk.start) {
+    if !chunk.start.is_multiple_of(k) || chunk.start >= words || u64::from(chunk.len) != k.min(words - chunk.start) {
         return Err(Error::corrupt(
             ctx(),
             format!("range {}+{} is off the chunk grid of tensor {} ({words} words, {k} per chunk)", chunk.start, chunk.len, spec.name),
@@ -593,14 +593,21 @@ pub struct StreamApplier<'t> {
     base_digests: Vec<Digest>,
     /// Base digests moved by the words written so far.
     moved: Vec<DigestSum>,
-    applied: Vec<(usize, std::ops::Range<usize>, ChangeKind, DecodedChunk, Option<DecodedChunk>)>,
+    applied: Vec<AppliedChunk>,
     seen: HashSet<u32>,
     changed: u64,
 }
 
+/// A chunk written by a `StreamApplier`: tensor, byte range, kind, the
+/// decoded changes and the bytes they replaced (overwrites).
+type AppliedChunk = (usize, std::ops::Range<usize>, ChangeKind, DecodedChunk, Option<DecodedChunk>);
+
+/// A delta's blobs: header blob, chunk frames, trailer frame.
+pub type DeltaBlobs<'a> = (&'a [u8], Vec<&'a [u8]>, &'a [u8]);
+
 /// Split a delta into the blobs a transport carries: the header blob
 /// (preamble + header frame), each chunk frame, and the trailer frame.
-pub fn split_frames(bytes: &[u8]) -> Result<(&[u8], Vec<&[u8]>, &[u8])> {
+pub fn split_frames(bytes: &[u8]) -> Result<DeltaBlobs<'_>> {
     let mut pos = format::parse_preamble(bytes)?
         .ok_or_else(|| Error::truncated("preamble", format::PREAMBLE_LEN as u64, bytes.len() as u64))?;
     let mut frames = Vec::new();

@@ -433,7 +433,7 @@ fn put_words(slice: &mut [u8], positions: &[u32], values: &[u8], width: usize) {
 /// The positions and values of a context-mode pre-image, bounds-checked
 /// against a chunk of `len` bytes.
 fn context_preimage(pre: &[u8], width: usize, len: usize) -> Option<(Vec<u32>, &[u8])> {
-    if pre.len() % (4 + width) != 0 {
+    if !pre.len().is_multiple_of(4 + width) {
         return None;
     }
     let m = pre.len() / (4 + width);

@@ -271,7 +271,7 @@ pub fn chunk_frame(header: &DeltaHeader, seq: u32, tensor: u32, start: u64, chan
     let width = spec.dtype.word_bytes();
     let k = header.chunk_words(spec);
     let words = spec.words()?;
-    if start % k != 0 || start >= words {
+    if !start.is_multiple_of(k) || start >= words {
         return Err(Error::Invalid(format!("chunk start {start} is off the grid of {} ({words} words, {k} per chunk)", spec.name)));
     }
     let len = k.min(words - start) as usize;
@@ -348,7 +348,10 @@ mod tests {
         let new_b = old_b.clone();
         let mut gathered = Vec::new();
         let opts = DiffOptions { chunk_bytes: 16, ..Default::default() };
-        crate::delta::diff(&layout, &[&old_a, &old_b], &[&new_a, &new_b], &opts, &mut |f| Ok(gathered.extend_from_slice(f)), &mut |_, _| {}).unwrap();
+        crate::delta::diff(&layout, &[&old_a, &old_b], &[&new_a, &new_b], &opts, &mut |f| {
+            let _: () = gathered.extend_from_slice(f);
+            Ok(())
+        }, &mut |_, _| {}).unwrap();
 
         // Two ranks hold column halves (Shard(1)) of `a`: local [6, 5] each.
         let shard = |full: &[u8], r: usize| -> Vec<u8> {

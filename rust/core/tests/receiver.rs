@@ -73,7 +73,7 @@ fn fixture_mode(kind: ChangeKind, mode: Mode) -> Fixture {
                         .chunks_exact(2)
                         .flat_map(|w| {
                             let v = u16::from_le_bytes([w[0], w[1]]);
-                            let v = if (v >> 7) == (0x3c00 >> 7) && next() % 3 == 0 { v + 1 } else { v };
+                            let v = if (v >> 7) == (0x3c00 >> 7) && next().is_multiple_of(3) { v + 1 } else { v };
                             v.to_le_bytes()
                         })
                         .collect();
@@ -265,7 +265,7 @@ fn repeated_crashes_still_end_bit_exact() {
             let mut crashes = 0;
             while at < f.deltas.len() {
                 assert!(crashes < 200, "seed {seed}: no progress");
-                let armed = next() % 4 != 0;
+                let armed = !next().is_multiple_of(4);
                 if armed {
                     io.power_cut_at_op(io.counts().ops + 1 + next() % 60);
                 }

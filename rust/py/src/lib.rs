@@ -212,7 +212,7 @@ fn check_spans(spans: &[Span], writable: bool) -> PyResult<()> {
     Ok(())
 }
 
-fn slices<'a>(spans: &'a [Span]) -> Vec<&'a [u8]> {
+fn slices(spans: &[Span]) -> Vec<&[u8]> {
     spans
         .iter()
         .map(|&(p, n)| {
@@ -230,7 +230,10 @@ fn slices<'a>(spans: &'a [Span]) -> Vec<&'a [u8]> {
         .collect()
 }
 
-fn slices_mut<'a>(spans: &'a [Span]) -> Vec<&'a mut [u8]> {
+// The spans are raw pointers into Python-owned memory, not borrows of
+// `spans`: the lifetime only keeps the slices inside the call.
+#[allow(clippy::mut_from_ref)]
+fn slices_mut(spans: &[Span]) -> Vec<&mut [u8]> {
     spans
         .iter()
         .map(|&(p, n)| {
@@ -398,7 +401,7 @@ fn apply_changes(py: Python<'_>, target: Span, width: usize, positions: &[u8], v
     let kind = parse_kind(kind)?;
     check_spans(&[target], true)?;
     let s = [positions, values];
-    if s[0].len() % 4 != 0 || s[1].len() % 8 != 0 || s[0].len() / 4 != s[1].len() / 8 {
+    if !s[0].len().is_multiple_of(4) || !s[1].len().is_multiple_of(8) || s[0].len() / 4 != s[1].len() / 8 {
         return Err(pyo3::exceptions::PyValueError::new_err("positions must be uint32 and values uint64, of equal counts"));
     }
     let changes = SparseChanges {

@@ -96,6 +96,7 @@ fn report_progress(progress: &Option<Py<PyAny>>, done: u64, total: u64) {
 /// the verdict (digest, ok/failed) up the tree.
 #[pyfunction]
 #[pyo3(signature = (target, parents, *, key_file=None, receiver_id=None, from_version=0, timeout_s=600.0, progress=None))]
+#[allow(clippy::too_many_arguments)]
 pub fn receive_delta<'py>(
     py: Python<'py>,
     target: PathBuf,

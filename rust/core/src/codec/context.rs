@@ -98,7 +98,7 @@ impl ContextModel {
     }
 
     #[inline(always)]
-    fn from_ordinal(&self, ord: u64) -> u64 {
+    fn word_of_ordinal(&self, ord: u64) -> u64 {
         self.ordinal(ord) // the map is an involution
     }
 
@@ -113,7 +113,7 @@ impl ContextModel {
 
     #[inline(always)]
     fn apply_step(&self, old: u64, step: i64) -> u64 {
-        self.from_ordinal(self.ordinal(old).wrapping_add(step as u64) & self.word_mask())
+        self.word_of_ordinal(self.ordinal(old).wrapping_add(step as u64) & self.word_mask())
     }
 
 }
@@ -831,7 +831,7 @@ mod tests {
     fn ordinal_is_an_exact_involution_and_steps_round_trip() {
         let m = ContextModel::for_dtype(DType(Dtype::BF16));
         for a in (0u64..65536).step_by(7) {
-            assert_eq!(m.from_ordinal(m.ordinal(a)), a);
+            assert_eq!(m.word_of_ordinal(m.ordinal(a)), a);
             for b in [a ^ 1, a ^ 0x8000, (a + 3) & 0xffff, 0x7fc1, 0xffff, 0] {
                 assert_eq!(m.apply_step(a, m.step(a, b)), b, "{a:#x} -> {b:#x}");
             }

@@ -229,7 +229,7 @@ mod tests {
         let mut truth = Vec::new();
         for i in 0..20_000 {
             x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            let bit = (x >> 33) % 10 == 0;
+            let bit = (x >> 33).is_multiple_of(10);
             e.bit(&mut probs[i % 4], bit);
             e.direct(x >> 40, 7);
             truth.push((bit, (x >> 40) & 0x7f));
@@ -252,7 +252,7 @@ mod tests {
         let mut truth = Vec::new();
         for _ in 0..20_000 {
             x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            let (active, bit) = ((x >> 40) % 3 != 0, (x >> 50) % 4 == 0);
+            let (active, bit) = (!(x >> 40).is_multiple_of(3), (x >> 50).is_multiple_of(4));
             e.bit_unpredictable(&mut probs[0], active);
             e.bit_masked(&mut probs[1], bit, active);
             truth.push((active, bit));

@@ -95,16 +95,61 @@ proptest! {
             }
         }
         prop_assert_eq!(&find_changes(&old, &new, width, kind).unwrap(), &expected);
-        let mut portable = SparseChanges::default();
-        match width {
-            1 => scan::<u8>(&old, &new, kind, &mut portable),
-            2 => scan::<u16>(&old, &new, kind, &mut portable),
-            4 => scan::<u32>(&old, &new, kind, &mut portable),
-            _ => scan::<u64>(&old, &new, kind, &mut portable),
+        for (scanner, positions) in every_scanner(&old, &new, width, 7) {
+            let want: Vec<u32> = expected.positions.iter().map(|p| p + 7).collect();
+            prop_assert_eq!(positions, want, "{} scan", scanner);
         }
-        prop_assert_eq!(portable, expected);
     }
 
+    #[test]
+    fn tracked_scan_moves_the_digest_like_a_full_pass((old, new, width) in chunk_pair(), first in prop::sample::select(vec![0u64, 3, (1 << 32) - 40])) {
+        let (changes, moved) = find_changes_tracked(&old, &new, width, ChangeKind::Xor, first).unwrap();
+        prop_assert_eq!(&changes, &find_changes(&old, &new, width, ChangeKind::Xor).unwrap());
+        let before = crate::digest::partial_digest(&old, width, first);
+        let after = crate::digest::partial_digest(&new, width, first);
+        prop_assert_eq!(before.plus(moved), after);
+    }
+}
+
+/// Positions (plus `base`) of the words that differ, from each change scan
+/// this CPU can run: the portable one always, the AVX2 and AVX-512 ones
+/// where supported.
+fn every_scanner(old: &[u8], new: &[u8], width: usize, base: u32) -> Vec<(&'static str, Vec<u32>)> {
+    let mut out = Vec::new();
+    let mut portable = Vec::new();
+    match width {
+        1 => super::scan::<u8>(old, new, base, &mut portable),
+        2 => super::scan::<u16>(old, new, base, &mut portable),
+        4 => super::scan::<u32>(old, new, base, &mut portable),
+        _ => super::scan::<u64>(old, new, base, &mut portable),
+    }
+    out.push(("portable", portable));
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx2") && has!("popcnt") {
+            let mut v = Vec::new();
+            // Safety: the CPU supports AVX2 and POPCNT (checked just above).
+            #[allow(unsafe_code)]
+            unsafe {
+                super::scan_avx2::scan(old, new, width, base, &mut v)
+            };
+            out.push(("avx2", v));
+        }
+        if has!("avx512f") && has!("avx512bw") && has!("popcnt") {
+            let mut v = Vec::new();
+            // Safety: the CPU supports AVX-512 F/BW and POPCNT (checked just above).
+            #[allow(unsafe_code)]
+            unsafe {
+                super::scan_avx512::scan(old, new, width, base, &mut v)
+            };
+            out.push(("avx512", v));
+        }
+    }
+    out
+}
+
+proptest! {
     #[test]
     fn corrupted_payload_never_panics((old, new, width) in chunk_pair(), flips in prop::collection::vec((any::<usize>(), any::<u8>()), 1..4), cut in any::<usize>()) {
         if let Some(c) = encode_chunk(&old, &new, width, EncodeOptions::default()).unwrap() {
@@ -325,8 +370,9 @@ fn context_mode_special_patterns_are_exact() {
     }
 }
 
-/// The vectorised scan (used when the CPU has AVX2) and the portable scan
-/// find the same changes, for every width, density and ragged tail.
+/// The vectorised scans (used when the CPU has AVX2 or AVX-512) and the
+/// portable scan find the same changes, for every width, density and ragged
+/// tail, and the whole search (scan by stripes, gather) agrees with them.
 #[test]
 fn vectorised_and_portable_scans_agree() {
     let mut x = 0x2545_F491_4F6C_DD1Du64;
@@ -337,7 +383,7 @@ fn vectorised_and_portable_scans_agree() {
         x
     };
     for width in [1usize, 2, 4, 8] {
-        for words in [0usize, 1, 63, 64, 65, 1000, 4099] {
+        for words in [0usize, 1, 63, 64, 65, 1000, 4099, 20_000] {
             for per_mille in [0u64, 10, 300, 1000] {
                 let old: Vec<u8> = (0..words * width).map(|_| rnd() as u8).collect();
                 let mut new = old.clone();
@@ -347,16 +393,22 @@ fn vectorised_and_portable_scans_agree() {
                         new[i * width + b] ^= 1 << (rnd() % 8);
                     }
                 }
+                let want: Vec<u32> = (0..words)
+                    .filter(|&i| old[i * width..(i + 1) * width] != new[i * width..(i + 1) * width])
+                    .map(|i| i as u32 + 100)
+                    .collect();
+                for (scanner, got) in every_scanner(&old, &new, width, 100) {
+                    assert_eq!(got, want, "{scanner} scan, width {width}, {words} words, {per_mille}/1000");
+                }
                 for kind in [ChangeKind::Xor, ChangeKind::Overwrite] {
                     let got = find_changes(&old, &new, width, kind).unwrap();
-                    let mut want = SparseChanges::default();
-                    match width {
-                        1 => super::scan::<u8>(&old, &new, kind, &mut want),
-                        2 => super::scan::<u16>(&old, &new, kind, &mut want),
-                        4 => super::scan::<u32>(&old, &new, kind, &mut want),
-                        _ => super::scan::<u64>(&old, &new, kind, &mut want),
+                    let positions: Vec<u32> = want.iter().map(|p| p - 100).collect();
+                    assert_eq!(got.positions, positions, "width {width}, {words} words, {per_mille}/1000");
+                    for (&p, &v) in got.positions.iter().zip(&got.values) {
+                        let (a, b) = (&old[p as usize * width..][..width], &new[p as usize * width..][..width]);
+                        let expect = if kind == ChangeKind::Xor { read_word(a) ^ read_word(b) } else { read_word(b) };
+                        assert_eq!(v, expect);
                     }
-                    assert_eq!(got, want, "width {width}, {words} words, {per_mille}/1000");
                 }
             }
         }

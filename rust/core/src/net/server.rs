@@ -615,7 +615,7 @@ async fn upstream_loop(shared: Arc<Shared>, mut sd: broadcast::Receiver<()>) {
         let next = &parents[i % parents.len()];
         warn!(node = %shared.cfg.node_id, parent = %addr, error = %e, next = %next, "upstream link lost; failing over");
         // Back off once a whole round of parents failed.
-        let pause = if failures as usize % parents.len() == 0 {
+        let pause = if (failures as usize).is_multiple_of(parents.len()) {
             Duration::from_millis(100 * u64::from((failures / parents.len() as u32).min(20)))
         } else {
             Duration::ZERO

@@ -140,7 +140,7 @@ impl Manifest {
 }
 
 fn hex_decode(s: &str, context: &str) -> Result<Vec<u8>> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return Err(Error::corrupt(context.to_string(), "odd-length hex"));
     }
     (0..s.len())
