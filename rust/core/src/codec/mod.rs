@@ -548,9 +548,11 @@ fn find(old: &[u8], new: &[u8], width: usize, kind: ChangeKind, tracked_from: Op
     if old.len() / width > u32::MAX as usize {
         return Err(Error::Invalid(format!("a chunk holds at most {} words", u32::MAX)));
     }
-    // Stripes that fit in L1 with room to spare: the gather of the changed
-    // words reads what the scan just read.
-    const STRIPE_BYTES: usize = 16 << 10;
+    // Stripes whose old and new bytes stay in L2: the gather of the changed
+    // words reads what the scan just read, and the scan streams long enough
+    // for the hardware prefetcher (measured on the training pairs: 128 KiB
+    // beat 16 KiB by 12 %, 64 and 256 KiB by 3-5 %).
+    const STRIPE_BYTES: usize = 128 << 10;
     let stripe = STRIPE_BYTES / width;
     let n = old.len() / width;
     // Room for 1 change in 16 words up front (training deltas change 1-10 %):
@@ -576,15 +578,23 @@ fn find(old: &[u8], new: &[u8], width: usize, kind: ChangeKind, tracked_from: Op
 }
 
 fn planes_of(values: &[u64], width: usize) -> Vec<Vec<u8>> {
-    (0..width)
-        .map(|j| {
-            let mut plane = vec![0u8; values.len()];
-            for (b, &v) in plane.iter_mut().zip(values) {
-                *b = (v >> (8 * j)) as u8;
-            }
-            plane
-        })
-        .collect()
+    match width {
+        1 => planes_n::<1>(values),
+        2 => planes_n::<2>(values),
+        4 => planes_n::<4>(values),
+        _ => planes_n::<8>(values),
+    }
+}
+
+/// Byte planes of `W`-byte words, in one pass over the words.
+fn planes_n<const W: usize>(values: &[u64]) -> Vec<Vec<u8>> {
+    let mut planes: [Vec<u8>; W] = std::array::from_fn(|_| vec![0u8; values.len()]);
+    for (i, &v) in values.iter().enumerate() {
+        for (j, plane) in planes.iter_mut().enumerate() {
+            plane[i] = (v >> (8 * j)) as u8;
+        }
+    }
+    planes.into()
 }
 
 fn put_planes(out: &mut Vec<u8>, planes: &[Vec<u8>], level: i32) {
@@ -600,16 +610,14 @@ fn put_planes(out: &mut Vec<u8>, planes: &[Vec<u8>], level: i32) {
 }
 
 fn encode_sparse(changes: &SparseChanges, width: usize, level: i32) -> Vec<u8> {
-    let mut gaps = Vec::with_capacity(changes.positions.len());
+    let mut gaps = vec![0u8; changes.positions.len()];
     let mut overflow = Vec::new();
     let mut next = 0u64;
-    for &p in &changes.positions {
+    for (g, &p) in gaps.iter_mut().zip(&changes.positions) {
         let gap = u64::from(p) - next;
         next = u64::from(p) + 1;
-        if gap < 255 {
-            gaps.push(gap as u8);
-        } else {
-            gaps.push(255);
+        *g = gap.min(255) as u8;
+        if gap >= 255 {
             put_varint(&mut overflow, gap - 255);
         }
     }
