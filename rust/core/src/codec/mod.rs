@@ -574,6 +574,10 @@ fn find(old: &[u8], new: &[u8], width: usize, kind: ChangeKind, tracked_from: Op
         }
     }
     let moved = moves.finish();
+    // Callers keep the changes of many chunks (the diff's second pass):
+    // hold what was found, not the room reserved for it.
+    positions.shrink_to_fit();
+    values.shrink_to_fit();
     Ok((SparseChanges { positions, values }, moved))
 }
 

@@ -370,6 +370,21 @@ fn context_mode_special_patterns_are_exact() {
     }
 }
 
+/// A diff keeps the changes of many chunks between its passes: the found
+/// changes hold about what was found, not the room reserved while scanning.
+#[test]
+fn found_changes_do_not_hold_the_reserved_room() {
+    let old = vec![0u8; 2 << 20];
+    let mut new = old.clone();
+    for i in (0..new.len()).step_by(4099) {
+        new[i] = 1;
+    }
+    let ch = find_changes(&old, &new, 2, ChangeKind::Xor).unwrap();
+    assert_eq!(ch.positions.len(), (2 << 20) / 4099 + 1);
+    assert!(ch.positions.capacity() < 2 * ch.positions.len() + 64, "{}", ch.positions.capacity());
+    assert!(ch.values.capacity() < 2 * ch.values.len() + 64, "{}", ch.values.capacity());
+}
+
 /// The vectorised scans (used when the CPU has AVX2 or AVX-512) and the
 /// portable scan find the same changes, for every width, density and ragged
 /// tail, and the whole search (scan by stripes, gather) agrees with them.
