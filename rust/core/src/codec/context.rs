@@ -151,8 +151,9 @@ impl StepModel {
     }
 
     /// The magnitude `v = |step| - 1` of a change in context `ctx`. The
-    /// first decision (is it more than one ulp?) is coded without branches;
-    /// the rest only when it is.
+    /// first two decisions (more than one ulp? more than two?) are coded
+    /// without branches (the second only counts when the first is yes); the
+    /// rest only when both are.
     #[inline(always)]
     fn encode(&mut self, rc: &mut RangeEncoder, ctx: usize, v: u64) {
         let row = &mut self.rows[ctx].0;
@@ -184,7 +185,7 @@ impl StepModel {
     fn decode(&mut self, rc: &mut RangeDecoder<'_>, ctx: usize) -> u64 {
         let row = &mut self.rows[ctx].0;
         let nonzero = rc.bit_unpredictable(&mut row[0]);
-        if nonzero && rc.bit(&mut row[CLASS]) {
+        if rc.bit_masked(&mut row[CLASS], nonzero) {
             Self::decode_rest(rc, row)
         } else {
             u64::from(nonzero)

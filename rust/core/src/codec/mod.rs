@@ -555,16 +555,23 @@ fn find(old: &[u8], new: &[u8], width: usize, kind: ChangeKind, tracked_from: Op
     const STRIPE_BYTES: usize = 128 << 10;
     let stripe = STRIPE_BYTES / width;
     let n = old.len() / width;
-    // Room for 1 change in 16 words up front (training deltas change 1-10 %):
-    // growing by doubling would copy and fault in pages again and again.
-    let mut positions = Vec::with_capacity(n / 16 + 64);
-    let mut values = Vec::with_capacity(n / 16 + 64);
+    // A diff keeps the found changes of many chunks between its passes, so
+    // they should hold about what was found: room for the first stripe's
+    // worth, then for the whole chunk at the first stripe's rate (changes
+    // are spread fairly evenly over a tensor) plus a quarter, then doubling.
+    let mut positions = Vec::with_capacity((stripe.min(n) / 16) + 64);
+    let mut values = Vec::with_capacity(positions.capacity());
     let mut moves = DigestMoves::new(width);
     for start in (0..n).step_by(stripe) {
         let bytes = start * width..(start + stripe).min(n) * width;
         let (a, b) = (&old[bytes.clone()], &new[bytes]);
         let found = positions.len();
         scan_positions(a, b, width, start as u32, &mut positions);
+        if start == 0 && n > stripe {
+            let expected = positions.len() * n.div_ceil(stripe) * 5 / 4 + 64;
+            positions.reserve(expected.saturating_sub(positions.len()));
+            values.reserve(expected);
+        }
         let at = &positions[found..];
         match width {
             1 => gather::<u8>(old, new, at, kind, tracked_from, &mut values, &mut moves),
@@ -574,10 +581,11 @@ fn find(old: &[u8], new: &[u8], width: usize, kind: ChangeKind, tracked_from: Op
         }
     }
     let moved = moves.finish();
-    // Callers keep the changes of many chunks (the diff's second pass):
-    // hold what was found, not the room reserved for it.
-    positions.shrink_to_fit();
-    values.shrink_to_fit();
+    if positions.capacity() > 2 * positions.len() + 64 {
+        // Far fewer changes than reserved: keep only them (a small copy).
+        positions.shrink_to_fit();
+        values.shrink_to_fit();
+    }
     Ok((SparseChanges { positions, values }, moved))
 }
 

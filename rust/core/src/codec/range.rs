@@ -200,6 +200,26 @@ impl<'a> RangeDecoder<'a> {
         bit
     }
 
+    /// A decision read only when `active` (else `false`, nothing read), the
+    /// decoder's side of `RangeEncoder::bit_masked`: branch-free, for a
+    /// decision that follows an unpredictable one.
+    #[inline(always)]
+    pub fn bit_masked(&mut self, prob: &mut u16, active: bool) -> bool {
+        let p = u32::from(*prob);
+        let bound = (self.range >> PROB_BITS) * p;
+        let act = u32::from(active).wrapping_neg();
+        let bit = (self.code >= bound) & active;
+        let one = u32::from(bit).wrapping_neg(); // all ones when the bit is 1 (and active)
+        let zero = !one & act;
+        self.range = (bound & zero) | (self.range.wrapping_sub(bound) & one) | (self.range & !act);
+        self.code = self.code.wrapping_sub(bound & one);
+        let up = ((1 << PROB_BITS) - p) >> MOVE_BITS;
+        let down = p >> MOVE_BITS;
+        *prob = p.wrapping_add(up & zero).wrapping_sub(down & one) as u16;
+        self.normalize();
+        bit
+    }
+
     pub fn direct(&mut self, bits: u32) -> u64 {
         let mut v = 0u64;
         for _ in 0..bits {
@@ -260,11 +280,19 @@ mod tests {
         let out = e.finish();
         let mut probs = [PROB_INIT; 2];
         let mut d = RangeDecoder::new(&out).unwrap();
-        for (active, bit) in truth {
+        for &(active, bit) in &truth {
             assert_eq!(d.bit_unpredictable(&mut probs[0]), active);
             if active {
                 assert_eq!(d.bit(&mut probs[1]), bit);
             }
+        }
+        assert!(!d.overrun());
+        // The masked decision read branch-free gives the same bits.
+        let mut probs = [PROB_INIT; 2];
+        let mut d = RangeDecoder::new(&out).unwrap();
+        for &(active, bit) in &truth {
+            assert_eq!(d.bit_unpredictable(&mut probs[0]), active);
+            assert_eq!(d.bit_masked(&mut probs[1], active), active && bit);
         }
         assert!(!d.overrun());
     }
