@@ -590,6 +590,25 @@ fn find(old: &[u8], new: &[u8], width: usize, kind: ChangeKind, tracked_from: Op
 }
 
 fn planes_of(values: &[u64], width: usize) -> Vec<Vec<u8>> {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // Safety: the CPU supports AVX2 (checked just above).
+        #[allow(unsafe_code)]
+        return unsafe { planes_of_avx2(values, width) };
+    }
+    planes_of_any(values, width)
+}
+
+/// `planes_of_any` compiled for AVX2, where the compiler vectorises it.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2")]
+unsafe fn planes_of_avx2(values: &[u64], width: usize) -> Vec<Vec<u8>> {
+    planes_of_any(values, width)
+}
+
+#[inline(always)]
+fn planes_of_any(values: &[u64], width: usize) -> Vec<Vec<u8>> {
     match width {
         1 => planes_n::<1>(values),
         2 => planes_n::<2>(values),
@@ -598,15 +617,19 @@ fn planes_of(values: &[u64], width: usize) -> Vec<Vec<u8>> {
     }
 }
 
-/// Byte planes of `W`-byte words, in one pass over the words.
+/// Byte planes of `W`-byte words (plain loops, so that they are inlined and
+/// vectorised where the caller is compiled for AVX2).
+#[inline(always)]
 fn planes_n<const W: usize>(values: &[u64]) -> Vec<Vec<u8>> {
-    let mut planes: [Vec<u8>; W] = std::array::from_fn(|_| vec![0u8; values.len()]);
-    for (i, &v) in values.iter().enumerate() {
-        for (j, plane) in planes.iter_mut().enumerate() {
-            plane[i] = (v >> (8 * j)) as u8;
+    let mut planes = Vec::with_capacity(W);
+    for j in 0..W {
+        let mut plane = vec![0u8; values.len()];
+        for (b, &v) in plane.iter_mut().zip(values) {
+            *b = (v >> (8 * j)) as u8;
         }
+        planes.push(plane);
     }
-    planes.into()
+    planes
 }
 
 fn put_planes(out: &mut Vec<u8>, planes: &[Vec<u8>], level: i32) {
@@ -622,22 +645,52 @@ fn put_planes(out: &mut Vec<u8>, planes: &[Vec<u8>], level: i32) {
 }
 
 fn encode_sparse(changes: &SparseChanges, width: usize, level: i32) -> Vec<u8> {
-    let mut gaps = vec![0u8; changes.positions.len()];
-    let mut overflow = Vec::new();
-    let mut next = 0u64;
-    for (g, &p) in gaps.iter_mut().zip(&changes.positions) {
-        let gap = u64::from(p) - next;
-        next = u64::from(p) + 1;
-        *g = gap.min(255) as u8;
-        if gap >= 255 {
-            put_varint(&mut overflow, gap - 255);
-        }
-    }
+    let (gaps, overflow) = gap_streams(&changes.positions);
     let mut out = Vec::new();
     put_symbols(&mut out, &gaps, level);
     put_stream(&mut out, &overflow, level);
     put_planes(&mut out, &planes_of(&changes.values, width), level);
     out
+}
+
+/// The gap bytes of ascending positions (gap = elements skipped since the
+/// previous change; 255 escapes to a varint of `gap - 255` in the overflow
+/// stream).
+fn gap_streams(positions: &[u32]) -> (Vec<u8>, Vec<u8>) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // Safety: the CPU supports AVX2 (checked just above).
+        #[allow(unsafe_code)]
+        return unsafe { gap_streams_avx2(positions) };
+    }
+    gap_streams_any(positions)
+}
+
+/// `gap_streams_any` compiled for AVX2, where the compiler vectorises it.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2")]
+unsafe fn gap_streams_avx2(positions: &[u32]) -> (Vec<u8>, Vec<u8>) {
+    gap_streams_any(positions)
+}
+
+#[inline(always)]
+fn gap_streams_any(positions: &[u32]) -> (Vec<u8>, Vec<u8>) {
+    let Some(&first) = positions.first() else { return (Vec::new(), Vec::new()) };
+    // Independent differences of neighbours (vectorises), clamped to 255;
+    // the rare escapes are coded in a second pass.
+    let mut gaps = Vec::with_capacity(positions.len());
+    gaps.push(first.min(255) as u8);
+    gaps.extend(positions[1..].iter().zip(positions).map(|(&p, &q)| (p - q - 1).min(255) as u8));
+    let mut overflow = Vec::new();
+    if !gaps.contains(&255) {
+        return (gaps, overflow);
+    }
+    for (i, _) in gaps.iter().enumerate().filter(|(_, &g)| g == 255) {
+        let gap = if i == 0 { first } else { positions[i] - positions[i - 1] - 1 };
+        put_varint(&mut overflow, u64::from(gap - 255));
+    }
+    (gaps, overflow)
 }
 
 fn encode_bitmap(changes: &SparseChanges, n: usize, width: usize, level: i32) -> Vec<u8> {
