@@ -118,10 +118,10 @@ fn every_scanner(old: &[u8], new: &[u8], width: usize, base: u32) -> Vec<(&'stat
     let mut out = Vec::new();
     let mut portable = Vec::new();
     match width {
-        1 => super::scan::<u8>(old, new, base, &mut portable),
-        2 => super::scan::<u16>(old, new, base, &mut portable),
-        4 => super::scan::<u32>(old, new, base, &mut portable),
-        _ => super::scan::<u64>(old, new, base, &mut portable),
+        1 => super::scan::scan::<u8>(old, new, base, &mut portable),
+        2 => super::scan::scan::<u16>(old, new, base, &mut portable),
+        4 => super::scan::scan::<u32>(old, new, base, &mut portable),
+        _ => super::scan::scan::<u64>(old, new, base, &mut portable),
     }
     out.push(("portable", portable));
     #[cfg(target_arch = "x86_64")]
@@ -132,7 +132,7 @@ fn every_scanner(old: &[u8], new: &[u8], width: usize, base: u32) -> Vec<(&'stat
             // Safety: the CPU supports AVX2 and POPCNT (checked just above).
             #[allow(unsafe_code)]
             unsafe {
-                super::scan_avx2::scan(old, new, width, base, &mut v)
+                super::scan::scan_avx2::scan(old, new, width, base, &mut v)
             };
             out.push(("avx2", v));
         }
@@ -141,7 +141,7 @@ fn every_scanner(old: &[u8], new: &[u8], width: usize, base: u32) -> Vec<(&'stat
             // Safety: the CPU supports AVX-512 F/BW and POPCNT (checked just above).
             #[allow(unsafe_code)]
             unsafe {
-                super::scan_avx512::scan(old, new, width, base, &mut v)
+                super::scan::scan_avx512::scan(old, new, width, base, &mut v)
             };
             out.push(("avx512", v));
         }
