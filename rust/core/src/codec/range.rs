@@ -57,7 +57,13 @@ impl RangeEncoder {
             self.range -= bound;
             *prob = (p - (p >> MOVE_BITS)) as u16;
         }
-        // One step always suffices (see `RangeDecoder::bit`).
+        self.normalize();
+    }
+
+    /// One renormalisation step always suffices (see
+    /// `RangeDecoder::normalize`).
+    #[inline(always)]
+    fn normalize(&mut self) {
         if self.range < TOP {
             self.range <<= 8;
             self.shift_low();
@@ -68,22 +74,12 @@ impl RangeEncoder {
     /// The same decision, branch-free: for coin tosses such as signs.
     #[inline(always)]
     pub fn bit_unpredictable(&mut self, prob: &mut u16, bit: bool) {
-        let p = u32::from(*prob);
-        let bound = (self.range >> PROB_BITS) * p;
-        let one = u32::from(bit).wrapping_neg(); // all ones when the bit is 1
-        self.low += u64::from(bound & one);
-        self.range = (bound & !one) | (self.range.wrapping_sub(bound) & one);
-        let up = ((1 << PROB_BITS) - p) >> MOVE_BITS;
-        let down = p >> MOVE_BITS;
-        *prob = p.wrapping_add(up & !one).wrapping_sub(down & one) as u16;
-        if self.range < TOP {
-            self.range <<= 8;
-            self.shift_low();
-        }
+        self.bit_masked(prob, bit, true);
     }
 
     /// A branch-free decision coded only when `active` (otherwise nothing
-    /// changes): the decoder reads it with `bit` only when `active`.
+    /// changes): the decoder reads it with `bit_masked` (or `bit` when it
+    /// knows `active`).
     #[inline(always)]
     pub fn bit_masked(&mut self, prob: &mut u16, bit: bool, active: bool) {
         let p = u32::from(*prob);
@@ -96,10 +92,7 @@ impl RangeEncoder {
         let up = ((1 << PROB_BITS) - p) >> MOVE_BITS;
         let down = p >> MOVE_BITS;
         *prob = p.wrapping_add(up & zero).wrapping_sub(down & one) as u16;
-        if self.range < TOP {
-            self.range <<= 8;
-            self.shift_low();
-        }
+        self.normalize();
     }
 
     /// `bits` low bits of `value`, each with probability one half.
@@ -109,10 +102,7 @@ impl RangeEncoder {
             if (value >> i) & 1 == 1 {
                 self.low += u64::from(self.range);
             }
-            if self.range < TOP {
-                self.range <<= 8;
-                self.shift_low();
-            }
+            self.normalize();
         }
     }
 
@@ -124,7 +114,6 @@ impl RangeEncoder {
     }
 }
 
-#[derive(Clone)]
 pub struct RangeDecoder<'a> {
     buf: &'a [u8],
     pos: usize,
@@ -187,17 +176,7 @@ impl<'a> RangeDecoder<'a> {
     /// by a mask): for decisions close to a coin toss, such as signs.
     #[inline(always)]
     pub fn bit_unpredictable(&mut self, prob: &mut u16) -> bool {
-        let p = u32::from(*prob);
-        let bound = (self.range >> PROB_BITS) * p;
-        let bit = self.code >= bound;
-        let one = u32::from(bit).wrapping_neg(); // all ones when the bit is 1
-        self.range = (bound & !one) | (self.range.wrapping_sub(bound) & one);
-        self.code = self.code.wrapping_sub(bound & one);
-        let up = ((1 << PROB_BITS) - p) >> MOVE_BITS;
-        let down = p >> MOVE_BITS;
-        *prob = p.wrapping_add(up & !one).wrapping_sub(down & one) as u16;
-        self.normalize();
-        bit
+        self.bit_masked(prob, true)
     }
 
     /// A decision read only when `active` (else `false`, nothing read), the
