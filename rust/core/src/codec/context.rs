@@ -847,13 +847,7 @@ mod tests {
     fn fast_ranks_match_the_reference() {
         // Float-like words (a few exponents, zeros, a partial last block)
         // and every sixth or so element changed.
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = super::super::tests::xorshift(0x9e37_79b9_7f4a_7c15);
         for (dtype, width) in [(Dtype::BF16, 2), (Dtype::F32, 4), (Dtype::F8_E4M3, 1), (Dtype::I16, 2), (Dtype::U8, 1)] {
             let model = ContextModel::for_dtype(DType(dtype));
             for n in [0usize, 1, 63, 64, 65, 1000, 4099] {

@@ -1,17 +1,22 @@
 use super::*;
 use proptest::prelude::*;
 
+/// A xorshift64 stream: quick, reproducible test data (`seed` may be 0).
+pub(super) fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+    let mut x = seed | 1;
+    move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    }
+}
+
 /// old, new (a copy of old with changes at a chosen density), width.
 fn chunk_pair() -> impl Strategy<Value = (Vec<u8>, Vec<u8>, usize)> {
     (prop::sample::select(vec![1usize, 2, 4, 8]), 0usize..3000, 0.0f64..1.0, any::<u64>()).prop_map(
         |(width, n, density, seed)| {
-            let mut rng = seed | 1;
-            let mut next = move || {
-                rng ^= rng << 13;
-                rng ^= rng >> 7;
-                rng ^= rng << 17;
-                rng
-            };
+            let mut next = xorshift(seed);
             let old: Vec<u8> = (0..n * width).map(|_| next() as u8).collect();
             let mut new = old.clone();
             let density = density * density; // favour sparse deltas
@@ -235,13 +240,7 @@ fn float_like_pair() -> impl Strategy<Value = (Vec<u8>, Vec<u8>, DType)> {
                 4 => (23, 8),
                 _ => (52, 11),
             };
-            let mut rng = seed | 1;
-            let mut next = move || {
-                rng ^= rng << 13;
-                rng ^= rng >> 7;
-                rng ^= rng << 17;
-                rng
-            };
+            let mut next = xorshift(seed);
             let word_mask = if width == 8 { u64::MAX } else { (1u64 << (8 * width)) - 1 };
             let field = ((1u64 << bits) - 1) << shift;
             let window = next() % ((1 << bits) - 6);
@@ -390,13 +389,7 @@ fn found_changes_do_not_hold_the_reserved_room() {
 /// tail, and the whole search (scan by stripes, gather) agrees with them.
 #[test]
 fn vectorised_and_portable_scans_agree() {
-    let mut x = 0x2545_F491_4F6C_DD1Du64;
-    let mut rnd = || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
+    let mut rnd = xorshift(0x2545_F491_4F6C_DD1D);
     for width in [1usize, 2, 4, 8] {
         for words in [0usize, 1, 63, 64, 65, 1000, 4099, 20_000] {
             for per_mille in [0u64, 10, 300, 1000] {
