@@ -854,11 +854,11 @@ mod tests {
                 let old: Vec<u8> = (0..n)
                     .flat_map(|_| {
                         let r = next();
-                        let word = if r % 9 == 0 { 0 } else { (r & !(0x7u64 << (8 * width - 4))) | ((r >> 60) << (8 * width - 5)) };
+                        let word = if r.is_multiple_of(9) { 0 } else { (r & !(0x7u64 << (8 * width - 4))) | ((r >> 60) << (8 * width - 5)) };
                         word.to_le_bytes()[..width].to_vec()
                     })
                     .collect();
-                let positions: Vec<u32> = (0..n as u32).filter(|_| next() % 6 == 0).collect();
+                let positions: Vec<u32> = (0..n as u32).filter(|_| next().is_multiple_of(6)).collect();
                 let (fast, slow) = match width {
                     1 => (ranks::<u8>(&old, &model, &positions), ranks_reference::<u8>(&old, &model, &positions)),
                     2 => (ranks::<u16>(&old, &model, &positions), ranks_reference::<u16>(&old, &model, &positions)),
