@@ -253,7 +253,7 @@ fn float_like_pair() -> impl Strategy<Value = (Vec<u8>, Vec<u8>, DType)> {
                 let x = next();
                 let v = if (x % 1_000_000) as f64 / 1e6 >= density {
                     o
-                } else if x % 50 == 0 {
+                } else if x.is_multiple_of(50) {
                     next() & word_mask
                 } else {
                     // a few steps up or down in the word's own bits
