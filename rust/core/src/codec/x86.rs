@@ -88,21 +88,8 @@ unsafe fn expand_avx2<T: Word>(old: &[u8], model: &ContextModel, listed: &[usize
     let mut count = 0usize;
     let words = &maps.words[..];
     let (shift, mask) = (model.shift, model.mask as u8);
-    let mut tail;
     for start in (0..n).step_by(B) {
-        let len = B.min(n - start);
-        let block = &old[start * w..(start + len) * w];
-        let full = if len == B {
-            block
-        } else {
-            // The last, partial block: zero words after the end, masked out below.
-            tail = [0; B * 4];
-            tail[..block.len()].copy_from_slice(block);
-            &tail[..B * w]
-        };
-        let valid = if len == B { u64::MAX } else { (1u64 << len) - 1 };
-        // Safety: `full` holds 64 words.
-        let (v0, v1) = unsafe { context_vectors::<T>(full, shift, mask) };
+        let (v0, v1, _, valid) = block_contexts::<T>(old, start, shift, mask);
         let (lo, hi) = min_max(v0, v1);
         let mut changed = 0u64;
         for c in usize::from(lo).max(first)..usize::from(hi).min(last) + 1 {
@@ -148,6 +135,28 @@ unsafe fn expand_avx2<T: Word>(old: &[u8], model: &ContextModel, listed: &[usize
     positions.truncate(count);
 }
 
+
+/// The context bytes of the block of (up to) 64 words of `old` from word
+/// `start`, the block's length and the mask of its valid elements: a
+/// partial last block is padded with zero words, masked out by `valid`.
+#[allow(unsafe_code)]
+#[inline]
+#[target_feature(enable = "avx2")]
+fn block_contexts<T: Word>(old: &[u8], start: usize, shift: u32, mask: u8) -> (__m256i, __m256i, usize, u64) {
+    const B: usize = 64;
+    let w = T::BYTES;
+    let len = B.min(old.len() / w - start);
+    let block = &old[start * w..(start + len) * w];
+    // Safety (both calls): the slice holds 64 words.
+    if len == B {
+        let (v0, v1) = unsafe { context_vectors::<T>(block, shift, mask) };
+        return (v0, v1, len, u64::MAX);
+    }
+    let mut tail = [0u8; B * 4];
+    tail[..block.len()].copy_from_slice(block);
+    let (v0, v1) = unsafe { context_vectors::<T>(&tail[..B * w], shift, mask) };
+    (v0, v1, len, (1u64 << len) - 1)
+}
 
 /// The context bytes of the 64 words at `words` (`64 * T::BYTES` bytes),
 /// in element order, as two vectors of 32.
@@ -239,7 +248,6 @@ unsafe fn ranks_avx2<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32
     let first = ahead.iter().position(|&a| a > 0).unwrap_or(0) as u8;
     let last = ahead.iter().rposition(|&a| a > 0).unwrap_or(0) as u8;
     let mut ctx = [0u8; B];
-    let mut tail;
     let mut next = 0usize; // the next change
     ranks.clear();
     ranks.reserve(positions.len());
@@ -247,18 +255,8 @@ unsafe fn ranks_avx2<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32
         if next == positions.len() {
             break; // nothing after the last change needs counting
         }
-        let len = B.min(n - start);
-        let block = &old[start * w..(start + len) * w];
-        let full = if len == B {
-            block
-        } else {
-            tail = [0u8; B * 4];
-            tail[..block.len()].copy_from_slice(block);
-            &tail[..B * w]
-        };
-        let valid = if len == B { u64::MAX } else { (1u64 << len) - 1 };
-        // Safety: `full` holds 64 words and `ctx` 64 bytes.
-        let (v0, v1) = unsafe { context_vectors::<T>(full, shift, mask) };
+        let (v0, v1, len, valid) = block_contexts::<T>(old, start, shift, mask);
+        // Safety: `ctx` holds 64 bytes.
         unsafe {
             _mm256_storeu_si256(ctx.as_mut_ptr() as *mut __m256i, v0);
             _mm256_storeu_si256(ctx.as_mut_ptr().add(32) as *mut __m256i, v1);
