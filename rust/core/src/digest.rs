@@ -214,25 +214,6 @@ fn sum_run_portable(bytes: &[u8], unit_bytes: usize, first_unit: u64) -> DigestS
     sums
 }
 
-/// One changed element: its index in the tensor, old and new word.
-#[derive(Clone, Copy, Debug)]
-pub struct WordChange {
-    pub element: u64,
-    pub old: u64,
-    pub new: u64,
-}
-
-impl DigestSum {
-    /// Account for a batch of changed elements (words of `word_bytes`).
-    pub fn changes(&mut self, word_bytes: usize, changes: &[WordChange]) {
-        let mut moves = DigestMoves::new(word_bytes);
-        for c in changes {
-            moves.word(c.element, c.old, c.new);
-        }
-        *self = self.plus(moves.finish());
-    }
-}
-
 /// Units buffered before they are hashed together.
 const MOVE_BATCH: usize = 64;
 
@@ -696,21 +677,24 @@ mod tests {
     fn batched_changes_equal_one_by_one() {
         for w in [1usize, 2, 4, 8] {
             let b = bytes(4096 * w, 13);
-            let changes: Vec<WordChange> = (0..300u64)
+            let changes: Vec<(u64, u64, u64)> = (0..300u64)
                 .map(|k| {
                     let e = k * 13 % 4096;
                     let mut o = [0u8; 8];
                     o[..w].copy_from_slice(&b[e as usize * w..(e as usize + 1) * w]);
                     let old = u64::from_le_bytes(o);
                     let new = (old ^ k.wrapping_mul(0x9E37_79B9_7F4A_7C15)) & (u64::MAX >> (64 - 8 * w));
-                    WordChange { element: e + (k % 3) * (1 << 32), old, new }
+                    (e + (k % 3) * (1 << 32), old, new)
                 })
                 .collect();
-            let mut batched = DigestSum::ZERO;
-            batched.changes(w, &changes);
+            let mut moves = DigestMoves::new(w);
+            for &(e, old, new) in &changes {
+                moves.word(e, old, new);
+            }
+            let batched = moves.finish();
             let mut single = DigestSum::ZERO;
-            for c in &changes {
-                single.change(w, c.element, c.old, c.new);
+            for &(e, old, new) in &changes {
+                single.change(w, e, old, new);
             }
             assert_eq!(batched, single, "w={w}");
         }

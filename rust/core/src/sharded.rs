@@ -7,7 +7,7 @@
 //! checkpoint, byte for byte:
 //!
 //! - digests: a rank digests its own blocks ([`block_digest`]) and moves
-//!   digests by its own changes ([`moved_digest`]); the sums of all ranks are
+//!   digests by its own changes ([`DigestMoves`]); the sums of all ranks are
 //!   the gathered tensor's digests;
 //! - chunks: the changes of one canonical chunk, collected from every rank by
 //!   the chunk's owner, encode to the same frame as in [`crate::delta::diff`]
@@ -21,7 +21,7 @@
 use crate::checkpoint::{Digest, Layout};
 use crate::codec::{self, ChangeKind, EncodeOptions, Mode, SparseChanges};
 use crate::delta::{make_header, DiffOptions};
-use crate::digest::{partial_digest, DigestSum, WordChange};
+use crate::digest::{partial_digest, DigestMoves, DigestSum};
 use crate::error::{Error, Result};
 use crate::format::{self, ChunkFrame, DeltaHeader, Trailer};
 
@@ -133,7 +133,7 @@ pub fn scan_and_project(old: &[u8], new: &[u8], width: usize, first_local: u64, 
     }
     let local = codec::find_changes(old, new, width, ChangeKind::Xor)?;
     let mut out = ProjectedChanges { local: SparseChanges::default(), ..Default::default() };
-    let mut per_tensor: Vec<(u32, Vec<WordChange>)> = Vec::new();
+    let mut per_tensor: Vec<(u32, DigestMoves)> = Vec::new();
     let mut k = 0usize; // current piece
     for (&p, &x) in local.positions.iter().zip(&local.values) {
         let at = first_local + u64::from(p);
@@ -150,17 +150,17 @@ pub fn scan_and_project(old: &[u8], new: &[u8], width: usize, first_local: u64, 
         let mut w = [0u8; 8];
         w[..width].copy_from_slice(&old[p as usize * width..(p as usize + 1) * width]);
         let o = u64::from_le_bytes(w);
-        match per_tensor.last_mut() {
-            Some((t, v)) if *t == piece.tensor => v.push(WordChange { element, old: o, new: o ^ x }),
-            _ => per_tensor.push((piece.tensor, vec![WordChange { element, old: o, new: o ^ x }])),
+        if per_tensor.last().is_none_or(|(t, _)| *t != piece.tensor) {
+            per_tensor.push((piece.tensor, DigestMoves::new(width)));
         }
+        per_tensor.last_mut().expect("just pushed").1.word(element, o, o ^ x);
         out.tensor.push(piece.tensor);
         out.element.push(element);
         out.xor.push(x);
     }
     let mut moved: Vec<(u32, DigestSum)> = Vec::new();
-    for (t, changes) in per_tensor {
-        let d = moved_digest(width, &changes);
+    for (t, moves) in per_tensor {
+        let d = moves.finish();
         match moved.iter_mut().find(|(u, _)| *u == t) {
             Some((_, s)) => *s = s.plus(d),
             None => moved.push((t, d)),
@@ -219,13 +219,6 @@ pub fn sort_records(parts: &[&[u8]], chunk_words: &[u64], first_chunk: &[u64]) -
         out.extend_from_slice(all[i as usize]);
     }
     Ok((out, keyed.into_iter().map(|(g, _, _)| g).collect()))
-}
-
-/// How a tensor's digest moves by these changes (canonical element indices).
-pub fn moved_digest(word_bytes: usize, changes: &[WordChange]) -> DigestSum {
-    let mut d = DigestSum::ZERO;
-    d.changes(word_bytes, changes);
-    d
 }
 
 fn composed_options(chunk_bytes: u32, base_version: u64, target_version: u64) -> DiffOptions {
@@ -381,7 +374,11 @@ mod tests {
             }
         }
         all.sort();
-        let moved = moved_digest(2, &all.iter().map(|&(e, o, n)| WordChange { element: e, old: o, new: n }).collect::<Vec<_>>());
+        let mut moves = DigestMoves::new(2);
+        for &(e, o, n) in &all {
+            moves.word(e, o, n);
+        }
+        let moved = moves.finish();
         let target = [base.plus(moved).digest(), crate::digest::tensor_digest(&old_b, 4)];
         let base_d = [base.digest(), crate::digest::tensor_digest(&old_b, 4)];
         let (mut composed, header) = header_blob(&layout, &base_d, &target, 16, 0, 1).unwrap();

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use dcr_core::checkpoint::{digest_hex, Digest};
 use dcr_core::codec::SparseChanges;
-use dcr_core::digest::WordChange;
+use dcr_core::digest::DigestMoves;
 use dcr_core::dtype::DType;
 use dcr_core::error::Error;
 use dcr_core::format::{self, DeltaHeader};
@@ -71,8 +71,11 @@ pub fn moved_digest<'py>(py: Python<'py>, dtype: &str, elements: &[u8], old: &[u
         return Err(pyo3::exceptions::PyValueError::new_err(format!("{} elements, {} old and {} new words", e.len(), o.len(), n.len())));
     }
     let d = py.detach(|| {
-        let changes: Vec<WordChange> = e.iter().zip(o.iter().zip(&n)).map(|(&element, (&old, &new))| WordChange { element, old, new }).collect();
-        sharded::moved_digest(w, &changes)
+        let mut moves = DigestMoves::new(w);
+        for ((&element, &old), &new) in e.iter().zip(&o).zip(&n) {
+            moves.word(element, old, new);
+        }
+        moves.finish()
     });
     Ok(PyBytes::new(py, &d.digest()))
 }
