@@ -263,7 +263,7 @@ class ShardedPublisher:
 
     # ------------------------------------------------------------------ scan
 
-    def _scan(self, name: str, t: torch.Tensor, lanes: np.ndarray) -> list[bytes]:
+    def _scan(self, name: str, t: torch.Tensor, lanes: np.ndarray) -> list[np.ndarray]:
         """Scan one local tensor block by block against its baseline. Moves
         ``lanes`` (this rank's digest moves per canonical tensor) by the
         changes, keeps the local changes for the commit, and returns the
@@ -291,7 +291,7 @@ class ShardedPublisher:
                     local_changes.append((lo, np.frombuffer(pos_b, dtype="<u4"),
                                           np.frombuffer(xor_b, dtype="<u8").astype(narrow)))
                 if rec_b:
-                    records.append(rec_b)
+                    records.append(np.frombuffer(rec_b, dtype=np.uint8))
                 continue
             pos, xor = self._changed_words(old, new, info.width)
             if pos.size == 0:
@@ -310,7 +310,7 @@ class ShardedPublisher:
                                                            (o ^ x).astype("<u8").tobytes()))
                 rec = np.empty(e.size, dtype=_RECORD)
                 rec["tensor"], rec["element"], rec["xor"] = c, e, x
-                records.append(rec.tobytes())
+                records.append(rec.view(np.uint8))
         self._local_changes[name] = local_changes
         return records
 
@@ -435,9 +435,11 @@ class ShardedPublisher:
             report.committed = True
         return report
 
-    def _sorted(self, parts: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-        """Packed records sorted by (global chunk id, element), and their ids."""
-        rec, gid = _core.sort_records(parts, self.chunk_words, self.first_chunk[:-1].tolist())
+    def _sorted(self, parts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Packed records (contiguous byte arrays, read in place) sorted by
+        (global chunk id, element), and their ids."""
+        spans = [(a.ctypes.data, a.nbytes) for a in parts]
+        rec, gid = _core.sort_records(spans, self.chunk_words, self.first_chunk[:-1].tolist())
         return np.frombuffer(rec, dtype=_RECORD), np.frombuffer(gid, dtype="<u8").astype(np.int64)
 
     def _round(self, composed: Any, rec: np.ndarray, gid: np.ndarray, seq: int
@@ -457,7 +459,7 @@ class ShardedPublisher:
         recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
         dist.all_to_all_single(recv, send, recv_sizes.tolist(), send_sizes.tolist(), group=self.group)
         del send, rec
-        got, got_gid = self._sorted([recv.numpy().tobytes()])
+        got, got_gid = self._sorted([recv.numpy()])
         del recv
 
         # Chunks with changes, numbered in canonical (= chunk id) order.

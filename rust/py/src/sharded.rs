@@ -140,16 +140,18 @@ pub fn scan_and_project<'py>(
 }
 
 /// Sort packed change records (the concatenation of `parts`, see
-/// `scan_and_project`) by (global chunk id, element); returns the sorted
-/// records and their chunk ids (uint64 LE).
+/// `scan_and_project`; spans of byte buffers the caller keeps alive) by
+/// (global chunk id, element); returns the sorted records and their chunk
+/// ids (uint64 LE).
 #[pyfunction]
 pub fn sort_records<'py>(
     py: Python<'py>,
-    parts: Vec<Bound<'py, PyBytes>>,
+    parts: Vec<Span>,
     chunk_words: Vec<u64>,
     first_chunk: Vec<u64>,
 ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
-    let views: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
+    crate::check_spans(&parts, false)?;
+    let views = slices(&parts);
     let (sorted, gids) = py.detach(|| sharded::sort_records(&views, &chunk_words, &first_chunk)).map_err(to_py)?;
     let g: Vec<u8> = gids.iter().flat_map(|g| g.to_le_bytes()).collect();
     Ok((PyBytes::new(py, &sorted), PyBytes::new(py, &g)))
