@@ -422,3 +422,51 @@ fn vectorised_and_portable_scans_agree() {
         }
     }
 }
+
+/// Gap streams (with escapes, out-of-range ends) decoded by the vector
+/// prefix sum and by the portable one: the same positions or the same error.
+#[test]
+fn vector_and_portable_gap_decoding_agree() {
+    let mut next = xorshift(41);
+    for case in 0..400 {
+        let m = (next() % 300) as usize;
+        let gaps: Vec<u8> = (0..m)
+            .map(|_| match next() % 10 {
+                0 => 254,
+                1 if case % 3 == 0 => 255,
+                _ => (next() % 40) as u8,
+            })
+            .collect();
+        let escapes = gaps.iter().filter(|&&g| g == 255).count();
+        let mut overflow = Vec::new();
+        for _ in 0..escapes {
+            streams::put_varint(&mut overflow, next() % 5000);
+        }
+        let span: u64 = gaps.iter().map(|&g| u64::from(g) + 1).sum::<u64>() + 5000 * escapes as u64;
+        // Chunk ends around the last position: inside, exactly at it, short of it.
+        let n = (span as usize).saturating_sub((next() % 64) as usize) + (next() % 3) as usize;
+        let portable = positions_with(&gaps, &overflow, n, "t", prefix_block_portable);
+        let dispatched = positions_from_gaps(&gaps, &overflow, n, "t");
+        match (&portable, &dispatched) {
+            (Ok(a), Ok(b)) => assert_eq!(a, b, "case {case}"),
+            (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string(), "case {case}"),
+            _ => panic!("case {case}: {portable:?} vs {dispatched:?}"),
+        }
+        if let Ok(p) = &portable {
+            assert!(p.windows(2).all(|w| w[0] < w[1]) && p.last().is_none_or(|&l| (l as usize) < n));
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // Large starting offsets, every gap the largest without an escape.
+        let g = [254u8; GAP_BLOCK];
+        for start in [0u64, 1, 70_000, (1 << 31) - 9000] {
+            let (mut a, mut b) = ([0u32; GAP_BLOCK], [0u32; GAP_BLOCK]);
+            // Safety: AVX-512 F detected above.
+            #[allow(unsafe_code)]
+            let nb = unsafe { prefix_block_avx512(&g, start, &mut b) };
+            assert_eq!(prefix_block_portable(&g, start, &mut a), nb);
+            assert_eq!(a, b);
+        }
+    }
+}
