@@ -213,6 +213,9 @@ def receive_delta(
     from_version: int = 0,
     timeout_s: float = 600.0,
     progress: Callable[[int, int], object] | None = None,
+    journal: str | Any | None = None,
+    journaled: bool = True,
+    batch_chunks: int = 256,
 ) -> dict[str, Any]: ...
 def relay_main(argv: list[str]) -> int: ...
 
@@ -255,6 +258,7 @@ def objstore_receive(
     poll: float = 0.2,
     concurrency: int = ...,
     progress: Callable[[str, int, int, int], object] | None = None,
+    journal: str | Any | None = None,
 ) -> dict[str, Any]: ...
 def objstore_versions(url: str) -> list[dict[str, Any]]: ...
 def objstore_gc(url: str, *, dry_run: bool = False) -> dict[str, Any]: ...

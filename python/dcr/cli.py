@@ -233,6 +233,9 @@ def _receive_relay(args: argparse.Namespace) -> int:
                 from_version=from_version,
                 timeout_s=args.timeout,
                 progress=progress,
+                journal=args.journal,
+                journaled=not args.no_journal,
+                batch_chunks=args.batch_chunks,
             )
         finally:
             bar.close()
@@ -247,7 +250,11 @@ def _report_receive(args: argparse.Namespace, result: dict[str, Any]) -> None:
     if args.json:
         print(json.dumps(result), flush=True)
     elif not args.quiet:
-        if result["outcome"] == "already_at_target":
+        if result.get("resumed"):
+            print(f"{args.target}: finished v{result['version']} from its spooled delta (the earlier receive was "
+                  f"interrupted mid-apply; {result['changed_elements']:,} elements); digests verified, committed",
+                  flush=True)
+        elif result["outcome"] == "already_at_target":
             print(f"{args.target} already holds v{result['version']}; committed")
         else:
             print(
@@ -375,12 +382,15 @@ def _receive_objstore(args: argparse.Namespace) -> int:
                 bar.close()
             if not quiet:
                 tqdm.write(f"v{version}: applied {done} chunks ({total:,} elements); digests verified")
+        elif event == "resumed" and not quiet:
+            tqdm.write(f"v{version}: finished the interrupted refit from its spooled delta ({done} chunks, "
+                       f"{total:,} elements); digests verified")
 
     t0 = time.perf_counter()
     try:
         info = _core.objstore_receive(
             args.target, src, receiver_id=args.receiver_id, wait=args.wait, concurrency=args.concurrency,
-            progress=progress,
+            progress=progress, journal=args.journal,
         )
     finally:
         for bar in bars.values():
@@ -505,6 +515,14 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--from-version", type=int, default=0, help="receive the first version >= this")
     rc.add_argument("--timeout", type=float, default=600.0)
     rc.add_argument("--follow", type=int, default=1, metavar="N", help="receive N successive versions, then exit")
+    rc.add_argument("--journal", default=None,
+                    help="receiver journal (default: TARGET.dcrj beside it); each version is spooled and applied "
+                         "through it, so a receive killed mid-apply finishes on the next run")
+    rc.add_argument("--batch-chunks", type=int, default=256,
+                    help="relay: chunks per journal batch (two journal syncs and one target flush each; default 256)")
+    rc.add_argument("--no-journal", action="store_true",
+                    help="relay only: apply frames as they arrive, without the journal (a receive killed "
+                         "mid-apply leaves the target partially applied)")
     rc.set_defaults(func=cmd_receive)
 
     rl = sub.add_parser("relay", help="run a relay node (same as the dcr-relay command)", add_help=False)

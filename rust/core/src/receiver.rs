@@ -1037,6 +1037,68 @@ pub fn status_file(target: &Path, journal: Option<&Path>) -> Result<ReceiverStat
     status_inner(&jpath, StdIo, Some(size))
 }
 
+// ---------------------------------------------------------------- received deltas
+
+/// The spooled delta of a received refit: `<journal>.delta`. It holds the
+/// delta bytes a transport delivered (a relay tree, object storage) from
+/// before the refit starts until it commits, so that a receiver killed
+/// mid-apply resumes from its own disk, without the transport.
+pub fn spool_path(journal: &Path) -> PathBuf {
+    let mut name = journal.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(".delta");
+    journal.with_file_name(name)
+}
+
+fn remove_spool(spool: &Path) -> Result<()> {
+    match std::fs::remove_file(spool) {
+        Ok(()) => crate::files::sync_dir(spool.parent().unwrap_or(Path::new(""))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(Error::io("remove spooled delta", spool, e)),
+    }
+}
+
+/// Apply delta bytes that a transport delivered to the safetensors file
+/// `target`, journaled exactly like [`refit_file`]: the bytes are parsed
+/// (a corrupt delta is refused with nothing written), spooled durably
+/// beside the journal, and applied by [`refit`]; the spool is removed once
+/// the version commits. A call that dies mid-apply leaves the journal and
+/// the spool for [`resume_received`].
+pub fn refit_received(bytes: &[u8], target: &Path, journal: Option<&Path>, opts: &RefitOptions) -> Result<RefitOutcome> {
+    let delta = crate::delta::read_delta(bytes)?;
+    let jpath = journal.map(Path::to_path_buf).unwrap_or_else(|| default_journal_path(target));
+    let _lock = RefitLock::acquire(&jpath)?;
+    let mut ck = WritableCheckpoint::open_rw(target)?;
+    let spool = spool_path(&jpath);
+    crate::files::write_atomically(&spool, |w| w.write_all(bytes).map_err(|e| Error::io("write", &spool, e)))?;
+    let outcome = refit(&jpath, StdIo, &delta, &mut ck, opts)?;
+    remove_spool(&spool)?;
+    Ok(outcome)
+}
+
+/// Finish a received refit that an earlier call started and did not commit
+/// (killed, power lost), from its spooled delta. `Ok(None)` when there is
+/// nothing to finish: no spool, or a spool of a refit that already ended
+/// (it is removed). A refit in flight without its spool is left to
+/// [`refit`]'s rules (the next delta refuses or ends it).
+pub fn resume_received(target: &Path, journal: Option<&Path>, opts: &RefitOptions) -> Result<Option<RefitOutcome>> {
+    let jpath = journal.map(Path::to_path_buf).unwrap_or_else(|| default_journal_path(target));
+    let spool = spool_path(&jpath);
+    if !spool.exists() {
+        return Ok(None);
+    }
+    let _lock = RefitLock::acquire(&jpath)?;
+    let in_flight = status(&jpath, StdIo)?.state.refit.map(|r| r.plan.delta_id);
+    let (delta, _) = crate::files::read_delta_file(&spool)?;
+    if in_flight != Some(delta.header.delta_id) {
+        remove_spool(&spool)?;
+        return Ok(None);
+    }
+    let mut ck = WritableCheckpoint::open_rw(target)?;
+    let outcome = refit(&jpath, StdIo, &delta, &mut ck, opts)?;
+    remove_spool(&spool)?;
+    Ok(Some(outcome))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1045,6 +1107,7 @@ mod tests {
     fn paths_and_ranges() {
         assert_eq!(default_journal_path(Path::new("/m/model.safetensors")), PathBuf::from("/m/model.safetensors.dcrj"));
         assert_eq!(undo_path(Path::new("/m/x.dcrj")), PathBuf::from("/m/x.dcrj.undo"));
+        assert_eq!(spool_path(Path::new("/m/x.dcrj")), PathBuf::from("/m/x.dcrj.delta"));
     }
 
     #[test]

@@ -668,7 +668,7 @@ fn objstore_publish_diff<'py>(
 /// "applied" (chunks, changed elements), "waiting" (for `version`) or
 /// "prefetched" (objects of the uncommitted `version` fetched so far).
 #[pyfunction]
-#[pyo3(signature = (target, url, *, receiver_id=None, wait=0.0, poll=0.2, concurrency=objstore::DEFAULT_CONCURRENCY, progress=None))]
+#[pyo3(signature = (target, url, *, receiver_id=None, wait=0.0, poll=0.2, concurrency=objstore::DEFAULT_CONCURRENCY, progress=None, journal=None))]
 #[allow(clippy::too_many_arguments)]
 fn objstore_receive<'py>(
     py: Python<'py>,
@@ -679,6 +679,7 @@ fn objstore_receive<'py>(
     poll: f64,
     concurrency: usize,
     progress: Option<Py<PyAny>>,
+    journal: Option<PathBuf>,
 ) -> PyResult<Bound<'py, PyDict>> {
     if !(wait >= 0.0 && wait.is_finite() && poll > 0.0 && poll.is_finite()) {
         return Err(pyo3::exceptions::PyValueError::new_err(format!("wait must be >= 0 and poll > 0 seconds, got wait={wait} poll={poll}")));
@@ -688,6 +689,7 @@ fn objstore_receive<'py>(
         wait: std::time::Duration::from_secs_f64(wait),
         poll: std::time::Duration::from_secs_f64(poll),
         concurrency,
+        journal,
     };
     // Not inside a rayon pool: a receiver waiting for the next version must
     // not hold a worker that a concurrent diff in this process needs.
@@ -696,6 +698,7 @@ fn objstore_receive<'py>(
             let args = match e {
                 objstore::ReceiveEvent::Fetch { version, done, total } => ("fetch", version, done, total),
                 objstore::ReceiveEvent::Applied { version, chunks, changed } => ("applied", version, u64::from(chunks), changed),
+                objstore::ReceiveEvent::Resumed { version, chunks, changed } => ("resumed", version, u64::from(chunks), changed),
                 objstore::ReceiveEvent::Waiting { next } => ("waiting", next, 0, 0),
                 objstore::ReceiveEvent::Prefetched { version, objects } => ("prefetched", version, objects, 0),
             };

@@ -1,9 +1,10 @@
 //! Receiving: find the version after the one the target holds (by digest),
 //! fetch its objects in parallel (from the streaming index before the
-//! manifest exists), verify, apply in place, acknowledge. Plus GC.
+//! manifest exists), verify, apply in place through the receiver journal,
+//! acknowledge. Plus GC.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::Path as FsPath;
+use std::path::{Path as FsPath, PathBuf};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -11,10 +12,10 @@ use futures::{StreamExt, TryStreamExt};
 use object_store::{ObjectStoreExt, PutMode};
 
 use super::{check_receiver_id, hex_decode, now_ms, object_name, runtime, Manifest, Store};
-use crate::checkpoint::{digest_hex, ReadOnlyCheckpoint, WritableCheckpoint};
-use crate::delta::{self, ApplyOutcome};
+use crate::checkpoint::{digest_hex, ReadOnlyCheckpoint};
 use crate::error::{Error, Result};
 use crate::format::{self, Frame};
+use crate::receiver::{self, RefitOptions, RefitOutcome};
 
 #[derive(Clone, Debug)]
 pub struct ReceiveOptions {
@@ -29,6 +30,10 @@ pub struct ReceiveOptions {
     pub poll: Duration,
     /// Downloads in flight at once.
     pub concurrency: usize,
+    /// The receiver journal (`None`: `<target>.dcrj` beside it). Every
+    /// version is applied through it (`receiver::refit_received`), so a
+    /// receiver killed mid-apply resumes on its next call.
+    pub journal: Option<PathBuf>,
 }
 
 impl Default for ReceiveOptions {
@@ -38,6 +43,7 @@ impl Default for ReceiveOptions {
             wait: Duration::ZERO,
             poll: Duration::from_millis(200),
             concurrency: super::DEFAULT_CONCURRENCY,
+            journal: None,
         }
     }
 }
@@ -66,6 +72,9 @@ pub enum ReceiveEvent {
     Fetch { version: u64, done: u64, total: u64 },
     /// Version applied and verified.
     Applied { version: u64, chunks: u32, changed: u64 },
+    /// A version that an earlier, interrupted call had started was finished
+    /// from its spooled delta, before anything was fetched.
+    Resumed { version: u64, chunks: u32, changed: u64 },
     /// At the newest committed version, waiting for the next.
     Waiting { next: u64 },
     /// Objects of the uncommitted version `version` fetched so far from its
@@ -267,16 +276,12 @@ fn target_digest(target: &FsPath) -> Result<String> {
     Ok(digest_hex(&ReadOnlyCheckpoint::open(target)?.checkpoint_digest()))
 }
 
-fn apply_bytes(bytes: &[u8], target: &FsPath) -> Result<ApplyOutcome> {
-    let delta = delta::read_delta(bytes)?;
-    let mut ck = WritableCheckpoint::open_rw(target)?;
-    let layout = ck.layout().clone();
-    let outcome = {
-        let mut buffers = ck.buffers_mut();
-        delta::apply(&delta, &layout, &mut buffers)?
-    };
-    ck.flush()?;
-    Ok(outcome)
+/// (chunks, changed elements) of a journaled refit.
+fn refit_counts(outcome: &RefitOutcome) -> (u32, u64) {
+    match outcome {
+        RefitOutcome::Committed(r) => (r.chunks, r.changed),
+        RefitOutcome::AlreadyAtTarget { .. } => (0, 0),
+    }
 }
 
 pub(super) async fn ack(store: &Store, id: &str, version: u64, digest: &str) -> Result<()> {
@@ -323,6 +328,15 @@ pub fn receive(store: &Store, target: &FsPath, opts: &ReceiveOptions, events: &m
         check_receiver_id(id)?;
     }
     let rt = runtime();
+    let refit_opts = RefitOptions::default();
+    if let Some(done) = receiver::resume_received(target, opts.journal.as_deref(), &refit_opts)? {
+        let (chunks, changed) = refit_counts(&done);
+        let version = match &done {
+            RefitOutcome::Committed(r) => r.version,
+            RefitOutcome::AlreadyAtTarget { version, .. } => *version,
+        };
+        events(ReceiveEvent::Resumed { version, chunks, changed });
+    }
     let mut digest = target_digest(target)?;
     let mut summary = ReceiveSummary::default();
     if let Some(id) = &opts.receiver_id {
@@ -364,11 +378,8 @@ pub fn receive(store: &Store, target: &FsPath, opts: &ReceiveOptions, events: &m
             };
             let bytes = rt.block_on(fetch_delta(store, m, &mut have, opts.concurrency, &mut summary, events))?;
             drop(have);
-            let outcome = apply_bytes(&bytes, target)?;
-            let (chunks, changed) = match outcome {
-                ApplyOutcome::Applied { chunks, changed } => (chunks, changed),
-                ApplyOutcome::AlreadyAtTarget => (0, 0),
-            };
+            let outcome = receiver::refit_received(&bytes, target, opts.journal.as_deref(), &refit_opts)?;
+            let (chunks, changed) = refit_counts(&outcome);
             digest = m.target_digest.clone();
             summary.applied.push(m.version);
             summary.version = Some(m.version);

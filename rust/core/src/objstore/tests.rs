@@ -291,3 +291,57 @@ fn receiver_ids_are_checked() {
         assert!(check_receiver_id(bad).is_err(), "{bad:?}");
     }
 }
+
+/// A receiver killed mid-apply (journal: refit in flight, some chunks
+/// applied, one torn; the spooled delta beside it) finishes that version
+/// from its spool on the next `receive`, then goes on to the newest.
+#[test]
+fn a_receive_killed_mid_apply_finishes_from_its_spool() {
+    use crate::checkpoint::WritableCheckpoint;
+    use crate::receiver::{self, MemTarget, RefitOptions, TargetCrash};
+
+    let dir = tempfile::tempdir().unwrap();
+    let paths = versions(dir.path(), 2);
+    let store = memory_store();
+    publish_all(&store, &paths);
+    let target = receiver_copy(dir.path(), &paths[0], "r.safetensors");
+    let journal = receiver::default_journal_path(&target);
+
+    // What a killed receive leaves: the spool, a journal with the refit in
+    // flight, and a target with some chunks applied and one half-written.
+    let spooled = dir.path().join("v1.dcr");
+    crate::files::diff_files(&paths[0], &paths[1], &spooled, &small_chunks(), &mut |_, _| {}).unwrap();
+    let bytes = std::fs::read(&spooled).unwrap();
+    let delta = crate::delta::read_delta(&bytes).unwrap();
+    assert!(delta.chunks.len() > 3);
+    let mut ck = WritableCheckpoint::open_rw(&target).unwrap();
+    let layout = ck.layout().clone();
+    let mut mem = MemTarget::new(layout, ck.buffers().iter().map(|b| b.to_vec()).collect()).unwrap();
+    mem.fail_flush(2);
+    let opts = RefitOptions { batch_chunks: 1, ..Default::default() };
+    receiver::refit(&journal, crate::journal::StdIo, &delta, &mut mem, &opts).unwrap_err();
+    mem.crash(TargetCrash::Mix(11));
+    for (dst, src) in ck.buffers_mut().into_iter().zip(&mem.current) {
+        dst.copy_from_slice(src);
+    }
+    ck.flush().unwrap();
+    drop(ck);
+    std::fs::write(receiver::spool_path(&journal), &bytes).unwrap();
+    let before = receiver::status_file(&target, None).unwrap();
+    assert!(before.state.refit.as_ref().is_some_and(|r| r.touched() > 0), "{before:?}");
+    assert_ne!(std::fs::read(&target).unwrap(), std::fs::read(&paths[0]).unwrap());
+
+    let mut resumed = Vec::new();
+    let s = receive(&store, &target, &ReceiveOptions::default(), &mut |e| {
+        if let ReceiveEvent::Resumed { version, .. } = e {
+            resumed.push(version);
+        }
+    })
+    .unwrap();
+    assert_eq!(resumed, vec![1], "the interrupted version is finished from the spool");
+    assert_eq!(s.applied, vec![2], "then the next version is fetched and applied");
+    assert_eq!(std::fs::read(&target).unwrap(), std::fs::read(&paths[2]).unwrap());
+    assert!(!receiver::spool_path(&journal).exists(), "the spool is removed once committed");
+    let after = receiver::status_file(&target, None).unwrap();
+    assert!(after.state.refit.is_none() && after.state.committed.is_some_and(|c| c.version == 2), "{after:?}");
+}
