@@ -91,6 +91,17 @@ fn main() {
             }, &mut |_, _| {}).unwrap();
         });
     });
+    // Parsing the delta bytes (frames, checksums), which every apply does first.
+    time("apply: read delta (parse, checksums)", &mut || {
+        std::hint::black_box(delta::read_delta(&delta_bytes).unwrap());
+    });
+    // Decoding alone (entropy decoding and positions), no target written.
+    time("apply: decode chunks only", &mut || {
+        for c in &parsed.chunks {
+            let w = layout.tensors()[c.tensor as usize].dtype.word_bytes();
+            std::hint::black_box(codec::decode_chunk(&c.payload, c.len as usize, w, c.encoding, c.n_changed, "chunk").unwrap());
+        }
+    });
     // Apply: each repeat starts from a fresh copy of the base (copy not timed).
     let mut work: Vec<Vec<u8>> = ob.iter().map(|b| b.to_vec()).collect();
     let mut time_apply = |name: &'static str, known: bool| {
