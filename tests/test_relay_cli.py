@@ -217,7 +217,10 @@ def test_receive_is_journaled_and_a_killed_receive_finishes_on_rerun(tmp_path, p
                 continue  # finished before the kill: nothing to resume
             interrupted += 1
             assert Path(str(target) + ".dcrj.delta").exists(), "a refit in flight keeps its spooled delta"
-            assert dcr.receiver_status(target)["refit"]["version"] == 5
+            st = dcr.receiver_status(target)
+            assert st["refit"]["version"] == 5 and st["spool_bytes"] == delta.stat().st_size, st
+            text = subprocess.run([*CLI, "status", str(target)], capture_output=True, text=True, check=True).stdout
+            assert "spooled" in text and "rerun `dcr receive`" in text, text
             assert rerun_and_check(target)["resumed"], "the rerun finishes the version from the spool"
         if interrupted == 0:
             pytest.skip("every receive finished before a chunk could be interrupted")

@@ -113,7 +113,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"target  {st['target']}")
     print(f"journal {st['journal']}")
     if not st["journal_exists"]:
-        print("no journal: this target was never refitted by `dcr apply`")
+        print("no journal: this target was never refitted by `dcr apply` or `dcr receive`")
         return 0
     c = st["committed"]
     print(f"committed version {c['version']}  digest {c['digest']}" if c else "committed: none")
@@ -122,7 +122,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(
             f"refit in flight to version {r['version']} (delta {r['delta_id'][:16]}): {r['applied']} of "
             f"{r['chunks']} chunks applied, {r['in_progress']} in progress, {r['not_started']} not started; "
-            f"rerun `dcr apply` with that delta to finish it"
+            + (f"its received delta is spooled ({st['spool_bytes']:,} B): rerun `dcr receive` to finish it"
+               if st.get("spool_bytes") is not None else "rerun `dcr apply` with that delta to finish it")
         )
     else:
         print("no refit in flight")

@@ -914,6 +914,9 @@ pub struct ReceiverStatus {
     pub torn_tail: Option<TornTail>,
     /// Size of the pre-image file, if there is one.
     pub undo_bytes: Option<u64>,
+    /// Size of the spooled received delta (`spool_path`), if there is one:
+    /// `dcr receive` finishes its refit on its next run.
+    pub spool_bytes: Option<u64>,
 }
 
 /// Reads the journal at `journal_path` (and its undo file) read-only: no
@@ -939,6 +942,7 @@ fn status_inner<I: JournalIo>(
             state: ReceiverState::default(),
             torn_tail: None,
             undo_bytes,
+            spool_bytes: None,
         });
     };
     let found = scan(journal_path, &bytes)?;
@@ -952,7 +956,7 @@ fn status_inner<I: JournalIo>(
             corrupt(format!("the record there ({rec}) does not follow from the records before it: {d}"))
         })?;
     }
-    Ok(ReceiverStatus { journal: journal_path.to_path_buf(), exists: true, state, torn_tail: found.torn, undo_bytes })
+    Ok(ReceiverStatus { journal: journal_path.to_path_buf(), exists: true, state, torn_tail: found.torn, undo_bytes, spool_bytes: None })
 }
 
 // ---------------------------------------------------------------- files
@@ -1027,14 +1031,17 @@ pub fn refit_file(
 /// [`status`] of the receiver whose target is `target`.
 pub fn status_file(target: &Path, journal: Option<&Path>) -> Result<ReceiverStatus> {
     let jpath = journal.map(Path::to_path_buf).unwrap_or_else(|| default_journal_path(target));
-    // The undo file's size from its metadata: it can be large.
-    let undo = undo_path(&jpath);
-    let size = match std::fs::metadata(&undo) {
-        Ok(m) => Some(m.len()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => return Err(Error::JournalIo { path: undo, op: "stat undo file", source: e }),
+    // The undo file's and the spool's sizes from their metadata: they can be large.
+    let size_of = |path: PathBuf, op: &'static str| match std::fs::metadata(&path) {
+        Ok(m) => Ok(Some(m.len())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::JournalIo { path, op, source: e }),
     };
-    status_inner(&jpath, StdIo, Some(size))
+    let undo = size_of(undo_path(&jpath), "stat undo file")?;
+    let spool = size_of(spool_path(&jpath), "stat spooled delta")?;
+    let mut st = status_inner(&jpath, StdIo, Some(undo))?;
+    st.spool_bytes = spool;
+    Ok(st)
 }
 
 // ---------------------------------------------------------------- received deltas

@@ -522,6 +522,7 @@ fn receiver_status<'py>(py: Python<'py>, target: PathBuf, journal: Option<PathBu
     d.set_item("target_is_committed", st.state.target_is_committed())?;
     d.set_item("torn_tail", torn_dict(py, &st.torn_tail)?)?;
     d.set_item("undo_bytes", st.undo_bytes)?;
+    d.set_item("spool_bytes", st.spool_bytes)?;
     Ok(d)
 }
 
