@@ -26,12 +26,13 @@
 //! uncompressed delta, never a second copy of the model.
 
 use std::collections::HashMap;
+use std::io::Write;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
 
-use crate::checkpoint::{digest_short, Digest, Layout, WritableCheckpoint};
+use crate::checkpoint::{digest_short, Digest, Layout, ReadOnlyCheckpoint, WritableCheckpoint};
 use crate::codec::{self, DecodedChunk, Encoding, Mode};
 use crate::delta::{check_chunk, decode_against, Delta, ANY_BASE};
 use crate::error::{Error, Result};
@@ -1064,29 +1065,107 @@ fn remove_spool(spool: &Path) -> Result<()> {
     }
 }
 
-/// Apply delta bytes that a transport delivered to the safetensors file
-/// `target`, journaled exactly like [`refit_file`]: the bytes are parsed
-/// (a corrupt delta is refused with nothing written), spooled durably
-/// beside the journal, and applied by [`refit`]; the spool is removed once
-/// the version commits. A call that dies mid-apply leaves the journal and
-/// the spool for [`resume_received`].
+/// A received delta being spooled as it arrives (a relay tree delivers it
+/// frame by frame): written to a temporary sibling of the spool, then made
+/// durable and applied through the journal by [`ReceivedSpool::refit`].
+/// Holds the journal's lock from creation to the end of the refit, so no
+/// other process applies to the target meanwhile. Dropped unfinished (an
+/// error, a stream that ended early), it removes its temporary file: the
+/// target was never touched.
+pub struct ReceivedSpool {
+    target: PathBuf,
+    journal: PathBuf,
+    tmp: PathBuf,
+    out: Option<std::io::BufWriter<std::fs::File>>,
+    _lock: RefitLock,
+}
+
+impl ReceivedSpool {
+    /// Start spooling a delta for `target` (journal: `None` for
+    /// `<target>.dcrj`).
+    pub fn create(target: &Path, journal: Option<&Path>) -> Result<Self> {
+        let journal = journal.map(Path::to_path_buf).unwrap_or_else(|| default_journal_path(target));
+        let lock = RefitLock::acquire(&journal)?;
+        let spool = spool_path(&journal);
+        let mut name = spool.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+        name.push(".partial");
+        let tmp = spool.with_file_name(name);
+        let file = std::fs::File::create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
+        Ok(ReceivedSpool {
+            target: target.to_path_buf(),
+            journal,
+            tmp,
+            out: Some(std::io::BufWriter::with_capacity(1 << 20, file)),
+            _lock: lock,
+        })
+    }
+
+    /// Append the next bytes of the delta (its preamble and header, a chunk
+    /// frame, the trailer), in order.
+    pub fn append(&mut self, bytes: &[u8]) -> Result<()> {
+        let out = self.out.as_mut().expect("open until refit");
+        out.write_all(bytes).map_err(|e| Error::io("write", &self.tmp, e))
+    }
+
+    /// Make the spool durable (fsync, rename, directory fsync), parse it (a
+    /// corrupt or truncated delta is refused: the spool is removed, the
+    /// target untouched) and apply it with [`refit`]; the spool is removed
+    /// once the version commits, or when the refit fails before it began
+    /// (nothing to resume).
+    pub fn refit(mut self, opts: &RefitOptions) -> Result<RefitOutcome> {
+        let out = self.out.take().expect("open until refit");
+        let file = out.into_inner().map_err(|e| Error::io("write", &self.tmp, e.into_error()))?;
+        file.sync_all().map_err(|e| Error::io("sync", &self.tmp, e))?;
+        drop(file);
+        let spool = spool_path(&self.journal);
+        std::fs::rename(&self.tmp, &spool).map_err(|e| Error::io("rename into place", &spool, e))?;
+        crate::files::sync_dir(spool.parent().unwrap_or(Path::new("")))?;
+        let delta = match crate::files::read_delta_file(&spool) {
+            Ok((delta, _)) => delta,
+            Err(e) => {
+                remove_spool(&spool)?;
+                return Err(e);
+            }
+        };
+        let mut ck = WritableCheckpoint::open_rw(&self.target)?;
+        let outcome = refit(&self.journal, StdIo, &delta, &mut ck, opts);
+        let keep = outcome.is_err()
+            && status(&self.journal, StdIo)?.state.refit.is_some_and(|r| r.plan.delta_id == delta.header.delta_id);
+        if !keep {
+            remove_spool(&spool)?;
+        }
+        outcome
+    }
+}
+
+impl Drop for ReceivedSpool {
+    fn drop(&mut self) {
+        if self.out.take().is_some() {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// Apply delta bytes that a transport delivered whole (object storage) to
+/// the safetensors file `target`, journaled exactly like [`refit_file`]:
+/// spooled durably beside the journal, applied by [`refit`], the spool
+/// removed once the version commits. A call that dies mid-apply leaves the
+/// journal and the spool for [`resume_received`].
 pub fn refit_received(bytes: &[u8], target: &Path, journal: Option<&Path>, opts: &RefitOptions) -> Result<RefitOutcome> {
+    // Refused before anything is written: a corrupt delta, another layout.
     let delta = crate::delta::read_delta(bytes)?;
-    let jpath = journal.map(Path::to_path_buf).unwrap_or_else(|| default_journal_path(target));
-    let _lock = RefitLock::acquire(&jpath)?;
-    let mut ck = WritableCheckpoint::open_rw(target)?;
-    let spool = spool_path(&jpath);
-    crate::files::write_atomically(&spool, |w| w.write_all(bytes).map_err(|e| Error::io("write", &spool, e)))?;
-    let outcome = refit(&jpath, StdIo, &delta, &mut ck, opts)?;
-    remove_spool(&spool)?;
-    Ok(outcome)
+    delta.header.layout.ensure_same(ReadOnlyCheckpoint::open(target)?.layout(), "target checkpoint")?;
+    drop(delta);
+    let mut spool = ReceivedSpool::create(target, journal)?;
+    spool.append(bytes)?;
+    spool.refit(opts)
 }
 
 /// Finish a received refit that an earlier call started and did not commit
 /// (killed, power lost), from its spooled delta. `Ok(None)` when there is
-/// nothing to finish: no spool, or a spool of a refit that already ended
-/// (it is removed). A refit in flight without its spool is left to
-/// [`refit`]'s rules (the next delta refuses or ends it).
+/// nothing to finish: no spool, or a spool of a refit that already ended or
+/// never began (it is removed). A refit in flight without its spool is left
+/// to [`refit`]'s rules (the next delta refuses or ends it).
 pub fn resume_received(target: &Path, journal: Option<&Path>, opts: &RefitOptions) -> Result<Option<RefitOutcome>> {
     let jpath = journal.map(Path::to_path_buf).unwrap_or_else(|| default_journal_path(target));
     let spool = spool_path(&jpath);
@@ -1094,9 +1173,25 @@ pub fn resume_received(target: &Path, journal: Option<&Path>, opts: &RefitOption
         return Ok(None);
     }
     let _lock = RefitLock::acquire(&jpath)?;
-    let in_flight = status(&jpath, StdIo)?.state.refit.map(|r| r.plan.delta_id);
-    let (delta, _) = crate::files::read_delta_file(&spool)?;
-    if in_flight != Some(delta.header.delta_id) {
+    let Some(in_flight) = status(&jpath, StdIo)?.state.refit.map(|r| r.plan.delta_id) else {
+        remove_spool(&spool)?;
+        return Ok(None);
+    };
+    let delta = match crate::files::read_delta_file(&spool) {
+        Ok((delta, _)) => delta,
+        Err(e) => {
+            return Err(transition(
+                &jpath,
+                "resume",
+                format!(
+                    "a refit is in flight but its spooled delta {} cannot be read ({e}): rerun `dcr apply` with that \
+                     delta to finish it, or reload the target densely",
+                    spool.display()
+                ),
+            ))
+        }
+    };
+    if delta.header.delta_id != in_flight {
         remove_spool(&spool)?;
         return Ok(None);
     }

@@ -171,7 +171,8 @@ fn refit_version(o: &receiver::RefitOutcome) -> u64 {
     }
 }
 
-/// The whole delta of one version, then the journaled refit, then the ack.
+/// The delta of one version spooled to disk as it arrives, then the
+/// journaled refit, then the ack.
 fn receive_journaled(
     target: &std::path::Path,
     journal: Option<&std::path::Path>,
@@ -179,35 +180,40 @@ fn receive_journaled(
     progress: &Option<Py<PyAny>>,
     opts: &receiver::RefitOptions,
 ) -> dcr_core::Result<Received> {
-    // The layout is checked against the header before anything is fetched
-    // further: a delta for another model fails here, not after the download.
+    // A delta for another model is refused at its header, before the rest
+    // is received.
     let layout = dcr_core::checkpoint::ReadOnlyCheckpoint::open(target)?.layout().clone();
-    let bytes = std::cell::RefCell::new(Vec::new());
+    let spool = std::cell::RefCell::new(receiver::ReceivedSpool::create(target, journal)?);
     let refused = std::cell::RefCell::new(None::<Error>);
+    let keep = |r: dcr_core::Result<()>| {
+        if let Err(e) = r {
+            refused.borrow_mut().get_or_insert(e);
+        }
+    };
     let mut sub = net::subscribe(
         cfg,
         |_, header| {
-            match dcr_core::delta::parse_header_blob(header).and_then(|h| h.layout.ensure_same(&layout, "target checkpoint")) {
-                Ok(()) => bytes.borrow_mut().extend_from_slice(header),
-                Err(e) => *refused.borrow_mut() = Some(e),
-            }
+            let checked = dcr_core::delta::parse_header_blob(header).and_then(|h| h.layout.ensure_same(&layout, "target checkpoint"));
+            keep(checked.and_then(|()| spool.borrow_mut().append(header)));
             Ok(())
         },
         |_, seq, blob| {
             report_progress(progress, u64::from(seq) + 1, 0);
             if refused.borrow().is_none() {
-                bytes.borrow_mut().extend_from_slice(blob);
+                keep(spool.borrow_mut().append(blob));
             }
             Ok(())
         },
         |_, _, trailer| {
-            bytes.borrow_mut().extend_from_slice(trailer);
+            if refused.borrow().is_none() {
+                keep(spool.borrow_mut().append(trailer));
+            }
             Ok(())
         },
     )?;
     let outcome = match refused.into_inner() {
         Some(e) => Err(e),
-        None => receiver::refit_received(&bytes.into_inner(), target, journal, opts),
+        None => spool.into_inner().refit(opts),
     };
     // The verdict goes up the tree whatever it is (joint commit): a committed
     // refit holds exactly the delta's target; otherwise report what the

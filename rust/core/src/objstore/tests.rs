@@ -345,3 +345,59 @@ fn a_receive_killed_mid_apply_finishes_from_its_spool() {
     let after = receiver::status_file(&target, None).unwrap();
     assert!(after.state.refit.is_none() && after.state.committed.is_some_and(|c| c.version == 2), "{after:?}");
 }
+
+/// The spool of a received delta: a corrupt or truncated delta is refused
+/// with the target untouched and nothing left behind; one dropped before it
+/// finished leaves nothing either; a whole one commits and is removed.
+#[test]
+fn a_received_spool_refuses_damage_and_cleans_up() {
+    use crate::receiver::{self, ReceivedSpool, RefitOptions, RefitOutcome};
+
+    let dir = tempfile::tempdir().unwrap();
+    let paths = versions(dir.path(), 1);
+    let target = receiver_copy(dir.path(), &paths[0], "r.safetensors");
+    let journal = receiver::default_journal_path(&target);
+    let spooled = dir.path().join("v1.dcr");
+    crate::files::diff_files(&paths[0], &paths[1], &spooled, &small_chunks(), &mut |_, _| {}).unwrap();
+    let bytes = std::fs::read(&spooled).unwrap();
+    let base = std::fs::read(&target).unwrap();
+    let leftovers = || {
+        std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains(".dcrj.delta"))
+            .collect::<Vec<_>>()
+    };
+
+    // Truncated, then one flipped byte in a chunk payload.
+    let mut flipped = bytes.clone();
+    let at = bytes.len() / 2;
+    flipped[at] ^= 0x10;
+    for bad in [&bytes[..bytes.len() - 7], &flipped[..]] {
+        let mut spool = ReceivedSpool::create(&target, None).unwrap();
+        spool.append(bad).unwrap();
+        let e = spool.refit(&RefitOptions::default()).unwrap_err();
+        let msg = e.to_string().to_lowercase();
+        assert!(["checksum", "truncat", "ends", "corrupt"].iter().any(|k| msg.contains(k)), "{msg}");
+        assert_eq!(std::fs::read(&target).unwrap(), base, "the target is untouched");
+        assert!(leftovers().is_empty(), "{:?}", leftovers());
+    }
+    // Dropped half-way (a stream that ended early).
+    let mut spool = ReceivedSpool::create(&target, None).unwrap();
+    spool.append(&bytes[..100]).unwrap();
+    drop(spool);
+    assert!(leftovers().is_empty(), "{:?}", leftovers());
+    // While a spool is open, a second receiver (or `dcr apply`) is refused.
+    let spool = ReceivedSpool::create(&target, None).unwrap();
+    assert!(ReceivedSpool::create(&target, None).is_err());
+    drop(spool);
+    // Whole: committed, the spool removed.
+    let mut spool = ReceivedSpool::create(&target, None).unwrap();
+    for piece in bytes.chunks(1000) {
+        spool.append(piece).unwrap();
+    }
+    assert!(matches!(spool.refit(&RefitOptions::default()).unwrap(), RefitOutcome::Committed(_)));
+    assert_eq!(std::fs::read(&target).unwrap(), std::fs::read(&paths[1]).unwrap());
+    assert!(leftovers().is_empty(), "{:?}", leftovers());
+    assert!(receiver::status_file(&target, Some(&journal)).unwrap().state.target_is_committed());
+}
