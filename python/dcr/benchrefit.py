@@ -58,7 +58,7 @@ def make_versions(work: Path, mib: float, seed: int) -> tuple[list[Path], int]:
 
 
 def run_topology(work: Path, versions: list[Path], deltas: list[Path], dense: Path | None, topology: str,
-                 receivers: int, fanout: int, link: int, key: Path) -> list[dict[str, Any]]:
+                 receivers: int, fanout: int, link: int, key: Path, journaled: bool = True) -> list[dict[str, Any]]:
     relays: list[Proc] = []
     subs: list[Proc] = []
     rows = []
@@ -84,7 +84,8 @@ def run_topology(work: Path, versions: list[Path], deltas: list[Path], dense: Pa
             per_leaf[leaf] = per_leaf.get(leaf, 0) + 1
             subs.append(Proc([*CLI, "receive", str(target), "--from", f"{leaves[leaf][1]},{root_addr}",
                               "--key-file", str(key), "--receiver-id", f"r{i}", "--follow", str(n_versions),
-                              "--json", "--timeout", "600"], work / f"{topology}{receivers}-r{i}.log"))
+                              "--json", "--timeout", "600", *([] if journaled else ["--no-journal"])],
+                             work / f"{topology}{receivers}-r{i}.log"))
         for leaf, count in per_leaf.items():
             leaves[leaf][0].wait_log("role=Subscriber", count)
         plan = [(f"delta {int(100 * r)}%", d, versions[i + 1]) for i, (r, d) in enumerate(zip(RATES, deltas))]
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
                     with_dense = not args.no_dense and (args.dense_all or n == args.receivers[0])
                     print(f"[{mib:g} MiB, {topology}, {n} receivers] ...", flush=True)
                     rows = run_topology(work, versions, deltas, dense if with_dense else None, topology, n,
-                                        args.fanout, link, key)
+                                        args.fanout, link, key, journaled=not args.no_journal)
                     for r in rows:
                         r["checkpoint_bytes"] = ck_bytes
                         r["model_mib"] = mib
@@ -208,5 +209,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-all", action="store_true", help="run the dense reference for every receiver count")
     p.add_argument("--no-dense", action="store_true", help="skip the dense reference (deltas only)")
     p.add_argument("--plot", action="store_true", help="write a PNG next to the JSON")
+    p.add_argument("--no-journal", action="store_true",
+                   help="receivers apply frames as they arrive (`dcr receive --no-journal`) instead of spooling "
+                        "each version and applying it through the journal")
     p.add_argument("--on-disk", action="store_true", help="keep receiver files on disk instead of /dev/shm")
     p.add_argument("--out", default="bench-out/refit.json")
