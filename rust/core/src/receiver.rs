@@ -1127,14 +1127,7 @@ impl ReceivedSpool {
                 return Err(e);
             }
         };
-        let mut ck = WritableCheckpoint::open_rw(&self.target)?;
-        let outcome = refit(&self.journal, StdIo, &delta, &mut ck, opts);
-        let keep = outcome.is_err()
-            && status(&self.journal, StdIo)?.state.refit.is_some_and(|r| r.plan.delta_id == delta.header.delta_id);
-        if !keep {
-            remove_spool(&spool)?;
-        }
-        outcome
+        refit_spooled(&self.journal, &spool, &delta, &self.target, opts)
     }
 }
 
@@ -1195,10 +1188,22 @@ pub fn resume_received(target: &Path, journal: Option<&Path>, opts: &RefitOption
         remove_spool(&spool)?;
         return Ok(None);
     }
+    refit_spooled(&jpath, &spool, &delta, target, opts).map(Some)
+}
+
+/// [`refit`] of a spooled delta (the journal's lock held by the caller).
+/// The spool is removed unless the refit failed and is still in flight
+/// (it is what a later call resumes from); a refit that committed, or that
+/// ended by rolling back, or that never began needs it no more.
+fn refit_spooled(journal: &Path, spool: &Path, delta: &Delta, target: &Path, opts: &RefitOptions) -> Result<RefitOutcome> {
     let mut ck = WritableCheckpoint::open_rw(target)?;
-    let outcome = refit(&jpath, StdIo, &delta, &mut ck, opts)?;
-    remove_spool(&spool)?;
-    Ok(Some(outcome))
+    let outcome = refit(journal, StdIo, delta, &mut ck, opts);
+    let resumable =
+        outcome.is_err() && status(journal, StdIo)?.state.refit.is_some_and(|r| r.plan.delta_id == delta.header.delta_id);
+    if !resumable {
+        remove_spool(spool)?;
+    }
+    outcome
 }
 
 #[cfg(test)]
