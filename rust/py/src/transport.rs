@@ -6,8 +6,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use dcr_core::checkpoint::{digest_hex, WritableCheckpoint};
-use dcr_core::delta::{split_frames, ApplyOutcome, StreamApplier};
+use dcr_core::checkpoint::digest_hex;
+use dcr_core::delta::split_frames;
 use dcr_core::net::{self, PublishConfig, SubscribeConfig};
 use dcr_core::receiver;
 use dcr_core::relay::PreSharedKey;
@@ -96,12 +96,12 @@ fn report_progress(progress: &Option<Py<PyAny>>, done: u64, total: u64) {
 /// Receive one version from a relay tree (parents in failover order) into a
 /// safetensors file, then report the verdict (digest, ok/failed) up the tree.
 ///
-/// Journaled (the default): the delta is received whole, spooled beside the
-/// journal and applied through it (`receiver::refit_received`), so a
-/// receiver killed mid-apply finishes the version on its next call, from its
-/// own disk (`resumed` in the result), before it subscribes again.
-/// `journaled=False` applies the frames as they arrive and rolls back on any
-/// failure it sees, but a killed process leaves the file partially applied.
+/// Journaled (the default): the delta is spooled beside the journal as it
+/// arrives and applied through it, so a receiver killed mid-apply finishes
+/// the version on its next call, from its own disk (`resumed` in the
+/// result), before it subscribes again. `journaled=False` applies the frames
+/// as they arrive and rolls back on any failure it sees, but a killed
+/// process leaves the file partially applied (`dcr_core::net::receive_file`).
 #[pyfunction]
 #[pyo3(signature = (target, parents, *, key_file=None, receiver_id=None, from_version=0, timeout_s=600.0, progress=None, journal=None, journaled=true, batch_chunks=256))]
 #[allow(clippy::too_many_arguments)]
@@ -125,16 +125,18 @@ pub fn receive_delta<'py>(
     }
     cfg.from_version = from_version;
     cfg.timeout = Some(Duration::from_secs_f64(timeout_s));
+    let mode = if journaled {
+        net::ApplyMode::Journaled {
+            journal,
+            opts: receiver::RefitOptions { batch_chunks: batch_chunks.max(1), ..Default::default() },
+        }
+    } else {
+        net::ApplyMode::Streaming
+    };
     let received = py
-        .detach(|| -> dcr_core::Result<Received> {
-            if !journaled {
-                return receive_streaming(&target, cfg, &progress);
-            }
-            let opts = receiver::RefitOptions { batch_chunks: batch_chunks.max(1), ..Default::default() };
-            if let Some(done) = receiver::resume_received(&target, journal.as_deref(), &opts)? {
-                return Ok(Received { outcome: refit_outcome(&done), resumed: true, version: refit_version(&done), failovers: 0, parent: None });
-            }
-            receive_journaled(&target, journal.as_deref(), cfg, &progress, &opts)
+        .detach(|| {
+            // done = chunks received so far; the total is unknown until the end (0).
+            net::receive_into_file(&target, cfg, &mode, &mut |seq| report_progress(&progress, u64::from(seq) + 1, 0))
         })
         .map_err(to_py)?;
     let d = crate::outcome_dict(py, &received.outcome)?;
@@ -144,177 +146,6 @@ pub fn receive_delta<'py>(
     d.set_item("resumed", received.resumed)?;
     d.set_item("journaled", journaled)?;
     Ok(d)
-}
-
-/// What one `receive_delta` call did.
-struct Received {
-    outcome: ApplyOutcome,
-    /// A version an interrupted call had started was finished from its spool
-    /// (no subscription, no acknowledgement: the tree has moved on).
-    resumed: bool,
-    version: u64,
-    failovers: u32,
-    parent: Option<String>,
-}
-
-fn refit_outcome(o: &receiver::RefitOutcome) -> ApplyOutcome {
-    match o {
-        receiver::RefitOutcome::Committed(r) => ApplyOutcome::Applied { chunks: r.chunks, changed: r.changed },
-        receiver::RefitOutcome::AlreadyAtTarget { .. } => ApplyOutcome::AlreadyAtTarget,
-    }
-}
-
-fn refit_version(o: &receiver::RefitOutcome) -> u64 {
-    match o {
-        receiver::RefitOutcome::Committed(r) => r.version,
-        receiver::RefitOutcome::AlreadyAtTarget { version, .. } => *version,
-    }
-}
-
-/// The delta of one version spooled to disk as it arrives, then the
-/// journaled refit, then the ack.
-fn receive_journaled(
-    target: &std::path::Path,
-    journal: Option<&std::path::Path>,
-    cfg: SubscribeConfig,
-    progress: &Option<Py<PyAny>>,
-    opts: &receiver::RefitOptions,
-) -> dcr_core::Result<Received> {
-    // A delta for another model is refused at its header, before the rest
-    // is received.
-    let layout = dcr_core::checkpoint::ReadOnlyCheckpoint::open(target)?.layout().clone();
-    let spool = std::cell::RefCell::new(receiver::ReceivedSpool::create(target, journal)?);
-    let refused = std::cell::RefCell::new(None::<Error>);
-    let keep = |r: dcr_core::Result<()>| {
-        if let Err(e) = r {
-            refused.borrow_mut().get_or_insert(e);
-        }
-    };
-    let mut sub = net::subscribe(
-        cfg,
-        |_, header| {
-            let checked = dcr_core::delta::parse_header_blob(header).and_then(|h| h.layout.ensure_same(&layout, "target checkpoint"));
-            keep(checked.and_then(|()| spool.borrow_mut().append(header)));
-            Ok(())
-        },
-        |_, seq, blob| {
-            report_progress(progress, u64::from(seq) + 1, 0);
-            if refused.borrow().is_none() {
-                keep(spool.borrow_mut().append(blob));
-            }
-            Ok(())
-        },
-        |_, _, trailer| {
-            if refused.borrow().is_none() {
-                keep(spool.borrow_mut().append(trailer));
-            }
-            Ok(())
-        },
-    )?;
-    let outcome = match refused.into_inner() {
-        Some(e) => Err(e),
-        None => spool.into_inner().refit(opts),
-    };
-    // The verdict goes up the tree whatever it is (joint commit): a committed
-    // refit holds exactly the delta's target; otherwise report what the
-    // target holds.
-    let digest = match &outcome {
-        Ok(receiver::RefitOutcome::Committed(r)) => r.digest,
-        Ok(receiver::RefitOutcome::AlreadyAtTarget { digest, .. }) => *digest,
-        Err(_) => dcr_core::checkpoint::ReadOnlyCheckpoint::open(target)?.checkpoint_digest(),
-    };
-    let (ok, reason) = match &outcome {
-        Ok(_) => (true, String::new()),
-        Err(e) => (false, e.to_string()),
-    };
-    let ack = sub.ack(digest, ok, &reason, Duration::from_secs(30));
-    let outcome = outcome?;
-    ack?;
-    Ok(Received {
-        outcome: refit_outcome(&outcome),
-        resumed: false,
-        version: sub.delivered.version,
-        failovers: sub.delivered.failovers,
-        parent: Some(sub.delivered.parent.clone()),
-    })
-}
-
-/// Apply the frames as they arrive (not journaled), roll back on a failure.
-fn receive_streaming(target: &std::path::Path, cfg: SubscribeConfig, progress: &Option<Py<PyAny>>) -> dcr_core::Result<Received> {
-    let mut ck = WritableCheckpoint::open_rw(target)?;
-    let layout = ck.layout().clone();
-    let result = std::cell::RefCell::new(None::<dcr_core::Result<ApplyOutcome>>);
-    let target_digest = std::cell::Cell::new(None::<dcr_core::checkpoint::Digest>);
-    let outcome;
-    let mut sub;
-    {
-        let applier = std::cell::RefCell::new(None::<StreamApplier<'_>>);
-        let buffers = std::cell::RefCell::new(Some(ck.buffers_mut()));
-        let received = net::subscribe(
-            cfg,
-            |_, header| {
-                let views = buffers.borrow_mut().take().ok_or("a second header")?;
-                if let Ok(h) = dcr_core::delta::parse_header_blob(header) {
-                    target_digest.set(Some(h.target_digest));
-                }
-                match StreamApplier::begin(header, &layout, views) {
-                    Ok(Some(a)) => *applier.borrow_mut() = Some(a),
-                    Ok(None) => *result.borrow_mut() = Some(Ok(ApplyOutcome::AlreadyAtTarget)),
-                    Err(e) => *result.borrow_mut() = Some(Err(e)),
-                }
-                Ok(())
-            },
-            |_, seq, blob| {
-                // done = chunks received so far; the total is unknown until the end (0).
-                report_progress(progress, u64::from(seq) + 1, 0);
-                if let Some(a) = applier.borrow_mut().as_mut() {
-                    if let Err(e) = a.chunk(blob) {
-                        *result.borrow_mut() = Some(Err(e));
-                    }
-                }
-                Ok(())
-            },
-            |_, _, trailer| {
-                if let Some(a) = applier.borrow_mut().take() {
-                    let r = match result.borrow_mut().take() {
-                        Some(Err(e)) => a.rollback().and(Err(e)),
-                        _ => a.finish(trailer),
-                    };
-                    *result.borrow_mut() = Some(r);
-                }
-                Ok(())
-            },
-        );
-        if let Some(a) = applier.borrow_mut().take() {
-            a.rollback()?; // the stream ended early: back to the base
-        }
-        sub = received?;
-        outcome = result.borrow_mut().take().unwrap_or_else(|| {
-            Err(Error::Incomplete { detail: "the stream ended without a trailer".into() })
-        });
-    }
-    ck.flush()?;
-    // A verified refit holds exactly the delta's target (its digests were
-    // checked tensor by tensor); otherwise report what the target holds.
-    let digest = match (&outcome, target_digest.get()) {
-        (Ok(_), Some(d)) => d,
-        _ => ck.checkpoint_digest(),
-    };
-    let (ok, reason) = match &outcome {
-        Ok(_) => (true, String::new()),
-        Err(e) => (false, e.to_string()),
-    };
-    // The verdict goes up the tree whatever it is (joint commit).
-    let ack = sub.ack(digest, ok, &reason, Duration::from_secs(30));
-    let outcome = outcome?;
-    ack?;
-    Ok(Received {
-        outcome,
-        resumed: false,
-        version: sub.delivered.version,
-        failovers: sub.delivered.failovers,
-        parent: Some(sub.delivered.parent.clone()),
-    })
 }
 
 /// Run a relay with `dcr-relay` command-line arguments until SIGINT/SIGTERM;

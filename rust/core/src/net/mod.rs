@@ -14,6 +14,7 @@ use crate::relay::wire::{Message, Parts};
 
 mod metrics;
 mod publisher;
+mod receive_file;
 mod server;
 mod spill;
 mod subscriber;
@@ -24,6 +25,7 @@ pub use publisher::{
     publish_stream, publish_stream_retry, AckSummary, BlockingPublisher, PublishConfig,
     PublishReport, Publisher,
 };
+pub use receive_file::{receive_into_file, ApplyMode, FileReceipt};
 pub use server::{run, Relay, RelayConfig};
 pub use spill::FileSpill;
 pub use subscriber::{subscribe, Delivered, Receiver, SubscribeConfig, Subscriber, Subscription};
