@@ -140,9 +140,15 @@ def test_cli_publish_then_receive_is_bit_exact(store: Backend, tmp_path: Path, c
     assert main(["receive", str(target), "--from", store.url, "--receiver-id", "r0"]) == 0
     assert "now at v1" in capsys.readouterr().out
     assert target.read_bytes() == paths[1].read_bytes()
+    # Applied through the receiver journal, which records the version.
+    st = dcr.receiver_status(target)
+    assert st["committed"]["version"] == 1 and st["refit"] is None and st["spool_bytes"] is None, st
     # At the newest: exit 0, nothing done.
     assert main(["receive", str(target), "--from", store.url]) == 0
     assert "nothing to do" in capsys.readouterr().out
+    # Streaming without the journal is a relay option only: refused, with the reason.
+    assert main(["receive", str(target), "--from", store.url, "--no-journal"]) != 0
+    assert "--no-journal" in capsys.readouterr().err
     keys = store.keys("")
     assert "v1/manifest.json" in keys and "acks/v1/r0" in keys and "receivers/r0" in keys
     objs = [k for k in keys if k.startswith("v1/objects/")]

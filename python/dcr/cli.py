@@ -324,6 +324,11 @@ def cmd_publish(args: argparse.Namespace) -> int:
 def cmd_receive(args: argparse.Namespace) -> int:
     """`dcr receive`: object storage for URLs, the relay tree for HOST:PORT[,...]."""
     if _is_objstore(args.source):
+        if args.no_journal or args.batch_chunks != 256:
+            raise ValueError(
+                "--no-journal and --batch-chunks apply to receiving from relays; from object storage every "
+                "version is applied through the journal whole (drop the flag)"
+            )
         return _receive_objstore(args)
     if "://" in args.source:
         raise _not_a_transport(args.source, "--from")
