@@ -109,7 +109,15 @@ def main() -> None:
     cur = v0
     for i in (1, 2):
         new = step(cur, seed=i)
-        delta, _ = dcr.diff_tensors(cur, new, base_version=i - 1, target_version=i)
+        # the first step context-free, the second context-coded (decoded
+        # against the receiver's canonical base)
+        mode = "free" if i == 1 else "context"
+        delta, _ = dcr.diff_tensors(cur, new, base_version=i - 1, target_version=i, mode=mode)
+        try:
+            dcr._core.decode_delta(delta)
+            context_chunks = False
+        except ValueError:
+            context_chunks = True
         st = recv.apply(delta, verify=True)
         s_delta, g_delta = state(), gen()
         dense.load(new.items())  # the dense refit of the same engine
@@ -117,6 +125,8 @@ def main() -> None:
         mismatched = sorted(k for k in s_dense if k not in s_delta or not torch.equal(s_delta[k], s_dense[k]))
         res["steps"].append({
             "stats": st,
+            "mode": mode,
+            "context_chunks": context_chunks,
             "mismatched": mismatched,
             "compared": len(s_dense),
             "gen_delta": g_delta,

@@ -408,3 +408,95 @@ def test_device_scatter_matches_numpy(kind, dtype):
     got = torch.from_numpy(base.copy())
     scatter_on_device(got, offs, vals, kind, impl="cpu")
     assert np.array_equal(got.numpy().reshape(-1), want)
+
+
+# ---------------------------------------------------------------- context-coded deltas
+
+
+def nudge(sd: dict[str, torch.Tensor], seed: int, rate: float = 0.05) -> dict[str, torch.Tensor]:
+    """A training-like step: a few elements move by one to three
+    representable values (the regime the context mode codes best)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, v in sd.items():
+        n = v.clone()
+        view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[v.element_size()]
+        flat = n.view(view).reshape(-1)
+        mask = torch.rand(flat.shape, generator=g) < rate
+        step = torch.randint(1, 4, flat.shape, generator=g).to(view)
+        flat[mask] += step[mask]  # one to three steps away in the magnitude's bit pattern
+        out[k] = n
+    return out
+
+
+def has_context_chunks(delta: bytes) -> bool:
+    try:
+        dcr._core.decode_delta(delta)
+    except ValueError as e:
+        assert "context-coded" in str(e)
+        return True
+    return False
+
+
+def test_context_deltas_apply_through_the_loader_bit_exact() -> None:
+    # mapped tensors (fused, sliced, replicated, transposed) and transforming
+    # ones (FP8 quantizing loader, rebuilt from the shadow)
+    m = torch.nn.Module()
+    m.attn = FusedAttention()
+    v0 = fused_checkpoint(0)
+    m.load_state_dict(v0, strict=False)
+    dense = copy.deepcopy(m)
+    recv = module_receiver(m, v0)
+    f = fp8_model()
+    w0 = fp8_checkpoint(0)
+    f.load_state_dict(w0)
+    fdense = copy.deepcopy(f)
+    frecv = module_receiver(f, w0)
+    for step in (1, 2):
+        v1, w1 = nudge(v0, step), nudge(w0, 10 + step)
+        delta, _ = dcr.diff_tensors(v0, v1, mode="context", base_version=step - 1, target_version=step)
+        fdelta, _ = dcr.diff_tensors(w0, w1, mode="context", base_version=step - 1, target_version=step)
+        assert has_context_chunks(delta) and has_context_chunks(fdelta)
+        recv.apply(delta)
+        dense.load_state_dict(v1, strict=False)
+        assert_same_storage(m, dense)
+        assert frecv.apply(fdelta)["reloaded_groups"] == 2
+        fdense.load_state_dict(w1)
+        assert_same_storage(f, fdense)
+        v0, w0 = v1, w1
+    assert recv.digest() == dcr.digest_tensors(v0)
+
+
+def test_context_delta_on_a_wrong_base_is_refused_before_decoding() -> None:
+    torch.manual_seed(3)
+    sd = {"w": torch.randn(128, 64).to(torch.bfloat16)}
+    live = {k: v.clone() for k, v in sd.items()}
+    recv = state_dict_receiver(live)
+    v1 = nudge(sd, 4)
+    v2 = nudge(v1, 5)
+    d12, _ = dcr.diff_tensors(v1, v2, mode="context", base_version=1, target_version=2)
+    assert has_context_chunks(d12)
+    before = live["w"].clone()
+    with pytest.raises(dcr.BaseMismatchError, match="needs base digest"):
+        recv.apply(d12)
+    assert torch.equal(bits(live["w"]), bits(before))
+
+
+def test_context_delta_on_a_tensor_parallel_shard_asks_for_free_mode() -> None:
+    m = torch.nn.Module()
+    m.proj = RankShard()
+    v0 = {"proj.weight": torch.randn(32, 8).to(torch.bfloat16)}
+    m.load_state_dict(v0, strict=False)
+    recv = module_receiver(m, v0, allow_unplaced=True)
+    v1 = nudge(v0, 9, rate=0.3)
+    delta, _ = dcr.diff_tensors(v0, v1, mode="context")
+    assert has_context_chunks(delta)
+    before = {k: v.clone() for k, v in module_storage(m).items()}
+    with pytest.raises(dcr.LayoutMismatchError, match="mode='free'"):
+        recv.apply(delta, verify=False)
+    assert all(torch.equal(bits(v), bits(before[k])) for k, v in module_storage(m).items())
+    dense = copy.deepcopy(m)
+    dense.load_state_dict(v1, strict=False)
+    free, _ = dcr.diff_tensors(v0, v1, mode="free")
+    recv.apply(free, verify=False)
+    assert_same_storage(m, dense)

@@ -48,6 +48,15 @@ def step(sd: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def context_coded(delta: bytes) -> bool:
+    try:
+        dcr._core.decode_delta(delta)
+    except ValueError as e:
+        assert "context-coded" in str(e)
+        return True
+    return False
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3moe"])
 def test_transformers_delta_refit_equals_dense(kind: str) -> None:
     model, dense = tiny(kind), tiny(kind)
@@ -64,7 +73,11 @@ def test_transformers_delta_refit_equals_dense(kind: str) -> None:
     cur = v0
     for i in (1, 2):
         new = step(cur, i)
-        delta, _ = dcr.diff_tensors(cur, new, base_version=i - 1, target_version=i)
+        # the first step context-free, the second context-coded (decoded
+        # against the receiver's canonical base)
+        mode = "free" if i == 1 else "context"
+        delta, _ = dcr.diff_tensors(cur, new, base_version=i - 1, target_version=i, mode=mode)
+        assert context_coded(delta) == (mode == "context")
         recv.apply(delta)
         TransformersAdapter(dense).load(new.items())
         a, b = module_storage(model), module_storage(dense)

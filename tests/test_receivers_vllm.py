@@ -56,6 +56,9 @@ def test_vllm_delta_refit_equals_dense(kind: str, layout: str, tmp_path: Path) -
     if kind == "llama":
         # probing + restore leaves the engine generating exactly as before
         assert r["gen_restored"]
+    # the second step's delta is context-coded: decoded against the
+    # engine's canonical base
+    assert [s["context_chunks"] for s in r["steps"]] == [False, True]
     for s in r["steps"]:
         assert s["mismatched"] == [], s["mismatched"]
         assert s["compared"] > 20

@@ -29,6 +29,7 @@ __all__ = [
     "block_digest",
     "compare_files",
     "decode_delta",
+    "delta_header",
     "diff_buffers",
     "diff_files",
     "digest_buffers",
@@ -192,7 +193,10 @@ class DeltaSink:
     def finish(self) -> dict[str, Any]: ...
     def abort(self) -> None: ...
 
-def decode_delta(delta: bytes) -> tuple[dict[str, Any], list[tuple[str, int, int, str, bytes, bytes]]]: ...
+def decode_delta(
+    delta: bytes, base: Callable[[str], tuple[int, int]] | None = None
+) -> tuple[dict[str, Any], list[tuple[str, int, int, str, bytes, bytes]]]: ...
+def delta_header(delta: bytes) -> dict[str, Any]: ...
 def publish_delta(
     delta: str | Any,
     to: str,

@@ -518,6 +518,7 @@ class Receiver:
             n: base[n].detach().to("cpu", copy=True).contiguous() for n in self.placement.transforming()
         }
         self._layout = [(n, base[n].dtype, tuple(base[n].shape)) for n in base]
+        self._dtypes = {n: (dt, shape) for n, dt, shape in self._layout}
         self._tables_gpu: dict[tuple[str, int], RunTable] = {}
 
     @property
@@ -530,28 +531,30 @@ class Receiver:
         """The canonical checkpoint as the runtime holds it: mapped tensors
         gathered from live storage, transforming ones from the shadow."""
         storage = self.adapter.storage()
-        out: dict[str, torch.Tensor] = {}
-        for name, dt, shape in self._layout:
-            tp = self.placement.tensors[name]
-            if tp.transforming:
-                out[name] = self.shadow[name]
-                continue
-            if not tp.complete:
-                raise dcr.LayoutMismatchError(
-                    f"{name}: this receiver holds only part of the tensor (a tensor-parallel shard), so it has no "
-                    "canonical digest; apply with verify=False and check shards another way"
-                )
-            w = _width(dt)
-            flat = torch.empty(tp.numel, dtype=_INT_VIEW[w])
-            for tb in tp.tables:
-                src = _int_view(storage[tb.target])
-                c, so = tb.expand()
-                if src.device.type == "cpu":
-                    flat.numpy()[c] = src.numpy()[so]
-                else:
-                    flat[torch.from_numpy(c)] = src[torch.from_numpy(so).to(src.device)].cpu()
-            out[name] = flat.view(dt).reshape(shape)
-        return out
+        return {name: self._canonical_tensor(name, storage) for name, _, _ in self._layout}
+
+    def _canonical_tensor(self, name: str, storage: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """One canonical tensor (CPU, contiguous) as the runtime holds it."""
+        tp = self.placement.tensors[name]
+        if tp.transforming:
+            return self.shadow[name]
+        if not tp.complete:
+            raise dcr.LayoutMismatchError(
+                f"{name}: this receiver holds only part of the tensor (a tensor-parallel shard), so it has no "
+                "canonical value: apply with verify=False and check shards another way, and build deltas for it "
+                "with mode='free' (context-coded chunks decode against the whole base tensor)"
+            )
+        dt, shape = self._dtypes[name]
+        w = _width(dt)
+        flat = torch.empty(tp.numel, dtype=_INT_VIEW[w])
+        for tb in tp.tables:
+            src = _int_view(storage[tb.target])
+            c, so = tb.expand()
+            if src.device.type == "cpu":
+                flat.numpy()[c] = src.numpy()[so]
+            else:
+                flat[torch.from_numpy(c)] = src[torch.from_numpy(so).to(src.device)].cpu()
+        return flat.view(dt).reshape(shape)
 
     def digest(self) -> str:
         return dcr.digest_tensors(self.canonical_state())
@@ -563,7 +566,8 @@ class Receiver:
         digest is checked against the delta's base before (refused on a
         mismatch, nothing written) and its target after."""
         t0 = time.perf_counter()
-        header, chunks = _core.decode_delta(bytes(delta))
+        delta = bytes(delta)
+        header = _core.delta_header(delta)
         theirs = {n: tuple(s) for n, _, s in header["tensors"]}
         mine = {n: shape for n, _, shape in self._layout}
         if theirs != mine:
@@ -572,16 +576,29 @@ class Receiver:
                 f"delta covers {len(theirs)} tensors, this receiver holds {len(mine)}; they differ in names or "
                 f"shapes (e.g. {odd}): build the receiver from the checkpoint the trainer diffs"
             )
+        # Canonical base tensors: all of them to check the base digest, and
+        # those with context-coded chunks (which decode against them).
+        storage = self.adapter.storage()
+        base: dict[str, torch.Tensor] = {}
         if verify:
-            have = self.digest()
+            base = self.canonical_state()
+            have = dcr.digest_tensors(base)
             if have != header["base_digest"]:
                 raise dcr.BaseMismatchError(
                     f"delta {header['base_version']}->{header['target_version']} needs base digest "
                     f"{header['base_digest'][:12]}..., receiver holds digest {have[:12]}...: "
                     "fetch the missing deltas first or do a dense refit"
                 )
+
+        def base_of(name: str) -> tuple[int, int]:
+            if name not in base:
+                base[name] = self._canonical_tensor(name, storage)
+            t = base[name]
+            return t.data_ptr(), t.numel() * t.element_size()
+
+        _, chunks = _core.decode_delta(delta, base=base_of)
+        del base
         t1 = time.perf_counter()
-        storage = self.adapter.storage()
         dirty_groups: set[int] = set()
         n_mapped = n_shadow = 0
         for name, start, w, kind, pos_b, val_b in chunks:

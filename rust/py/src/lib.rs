@@ -526,46 +526,128 @@ fn receiver_status<'py>(py: Python<'py>, target: PathBuf, journal: Option<PathBu
     Ok(d)
 }
 
+/// A delta header as a dict (see `decode_delta`).
+fn header_dict<'py>(py: Python<'py>, header: &dcr_core::format::DeltaHeader) -> PyResult<Bound<'py, PyDict>> {
+    let h = PyDict::new(py);
+    h.set_item("delta_id", digest_hex(&header.delta_id))?;
+    h.set_item("base_digest", digest_hex(&header.base_digest))?;
+    h.set_item("target_digest", digest_hex(&header.target_digest))?;
+    h.set_item("base_version", header.base_version)?;
+    h.set_item("target_version", header.target_version)?;
+    let tensors = PyList::empty(py);
+    for t in header.layout.tensors() {
+        tensors.append((t.name.as_str(), t.dtype.name(), t.shape.clone()))?;
+    }
+    h.set_item("tensors", tensors)?;
+    Ok(h)
+}
+
+/// Parse and validate a delta (every frame's checksum and place) without
+/// decoding any chunk: its header, as `decode_delta` gives it.
+#[pyfunction]
+fn delta_header<'py>(py: Python<'py>, delta: &[u8]) -> PyResult<Bound<'py, PyDict>> {
+    let parsed = py
+        .detach(|| -> dcr_core::Result<_> {
+            let d = delta::read_delta(delta)?;
+            for c in &d.chunks {
+                delta::check_chunk(&d.header, c)?;
+            }
+            Ok(d)
+        })
+        .map_err(to_py)?;
+    header_dict(py, &parsed.header)
+}
+
 /// Parse, validate and decode a whole delta: its header and, per chunk,
 /// (tensor name, start word, word width, kind, positions as uint32 LE bytes,
 /// values as uint64 LE bytes). For integrations that place changes
 /// themselves (serving-runtime loaders, GPU apply).
+///
+/// Context-coded chunks decode against the base: `base(name)` is called
+/// (once per tensor that has such chunks) for the span of that tensor's
+/// canonical base bytes, which the caller keeps alive until this returns.
+/// Without `base` such chunks are refused.
 #[pyfunction]
-fn decode_delta<'py>(py: Python<'py>, delta: &[u8]) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
-    type Decoded = Vec<(usize, u64, usize, &'static str, Vec<u8>, Vec<u8>)>;
-    let (parsed, chunks): (delta::Delta, Decoded) = py
+#[pyo3(signature = (delta, base=None))]
+fn decode_delta<'py>(
+    py: Python<'py>,
+    delta: &[u8],
+    base: Option<Bound<'py, PyAny>>,
+) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
+    type Decoded = (usize, u64, usize, &'static str, Vec<u8>, Vec<u8>);
+    fn decoded(c: &dcr_core::format::ChunkFrame, w: usize, ch: SparseChanges) -> Decoded {
+        let pos: Vec<u8> = ch.positions.iter().flat_map(|p| p.to_le_bytes()).collect();
+        let val: Vec<u8> = ch.values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        (c.tensor as usize, c.start, w, c.kind.name(), pos, val)
+    }
+    // Context-free chunks first; context-coded ones wait for their base.
+    let (parsed, mut chunks, waiting) = py
         .detach(|| -> dcr_core::Result<_> {
             let d = delta::read_delta(delta)?;
-            let mut out = Vec::with_capacity(d.chunks.len());
-            for c in &d.chunks {
+            let mut out: Vec<Option<Decoded>> = Vec::with_capacity(d.chunks.len());
+            let mut waiting = Vec::new();
+            for (i, c) in d.chunks.iter().enumerate() {
                 let range = delta::check_chunk(&d.header, c)?;
                 let w = d.header.layout.tensors()[c.tensor as usize].dtype.word_bytes();
                 if c.mode == Mode::Context {
-                    return Err(dcr_core::Error::Invalid(format!(
-                        "chunk {} is context-coded and decodes only against its base: apply it with apply_tensors/apply_file, or build the delta with mode='free'",
-                        c.seq
-                    )));
+                    waiting.push(i);
+                    out.push(None);
+                    continue;
                 }
-                let ch = codec::decode_chunk(&c.payload, range.len() / w, w, c.encoding, c.n_changed, &format!("chunk {}", c.seq))?
-                    .to_changes();
-                let pos: Vec<u8> = ch.positions.iter().flat_map(|p| p.to_le_bytes()).collect();
-                let val: Vec<u8> = ch.values.iter().flat_map(|v| v.to_le_bytes()).collect();
-                out.push((c.tensor as usize, c.start, w, c.kind.name(), pos, val));
+                let ch = codec::decode_chunk(&c.payload, range.len() / w, w, c.encoding, c.n_changed, &format!("chunk {}", c.seq))?;
+                out.push(Some(decoded(c, w, ch.to_changes())));
             }
-            Ok((d, out))
+            Ok((d, out, waiting))
         })
         .map_err(to_py)?;
-    let h = PyDict::new(py);
-    h.set_item("delta_id", digest_hex(&parsed.header.delta_id))?;
-    h.set_item("base_digest", digest_hex(&parsed.header.base_digest))?;
-    h.set_item("target_digest", digest_hex(&parsed.header.target_digest))?;
-    h.set_item("base_version", parsed.header.base_version)?;
-    h.set_item("target_version", parsed.header.target_version)?;
-    let tensors = PyList::empty(py);
-    for t in parsed.header.layout.tensors() {
-        tensors.append((t.name.as_str(), t.dtype.name(), t.shape.clone()))?;
+    if let Some(&first) = waiting.first() {
+        let Some(base) = base else {
+            return Err(to_py(dcr_core::Error::Invalid(format!(
+                "chunk {} is context-coded and decodes only against its base: pass base= (the canonical base tensors), \
+                 apply it with apply_tensors/apply_file, or build the delta with mode='free'",
+                parsed.chunks[first].seq
+            ))));
+        };
+        let tensors = parsed.header.layout.tensors();
+        let mut spans: HashMap<usize, Span> = HashMap::new();
+        for &i in &waiting {
+            let t = parsed.chunks[i].tensor as usize;
+            if spans.contains_key(&t) {
+                continue;
+            }
+            let span: Span = base.call1((tensors[t].name.as_str(),))?.extract()?;
+            let bytes = tensors[t].numel().map_err(to_py)? as usize * tensors[t].dtype.word_bytes();
+            if span.1 != bytes {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "base of {}: expected {bytes} bytes (its canonical size), got {}",
+                    tensors[t].name, span.1
+                )));
+            }
+            check_spans(&[span], false)?;
+            spans.insert(t, span);
+        }
+        let done = py
+            .detach(|| -> dcr_core::Result<Vec<(usize, Decoded)>> {
+                waiting
+                    .iter()
+                    .map(|&i| {
+                        let c = &parsed.chunks[i];
+                        let range = delta::check_chunk(&parsed.header, c)?;
+                        let w = tensors[c.tensor as usize].dtype.word_bytes();
+                        let span = [spans[&(c.tensor as usize)]];
+                        let whole = slices(&span)[0];
+                        let ch = delta::decode_against(c, &range, &parsed.header.layout, &whole[range.clone()])?;
+                        Ok((i, decoded(c, w, ch.to_changes())))
+                    })
+                    .collect()
+            })
+            .map_err(to_py)?;
+        for (i, d) in done {
+            chunks[i] = Some(d);
+        }
     }
-    h.set_item("tensors", tensors)?;
+    let chunks: Vec<Decoded> = chunks.into_iter().map(|c| c.expect("every chunk decoded")).collect();
+    let h = header_dict(py, &parsed.header)?;
     let names: Vec<&str> = parsed.header.layout.tensors().iter().map(|t| t.name.as_str()).collect();
     let list = PyList::empty(py);
     for (t, start, w, kind, pos, val) in chunks {
@@ -787,6 +869,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(refit_file, m)?)?;
     m.add_function(wrap_pyfunction!(receiver_status, m)?)?;
     m.add_function(wrap_pyfunction!(decode_delta, m)?)?;
+    m.add_function(wrap_pyfunction!(delta_header, m)?)?;
     m.add_function(wrap_pyfunction!(sharded::block_digest, m)?)?;
     m.add_function(wrap_pyfunction!(sharded::moved_digest, m)?)?;
     m.add_function(wrap_pyfunction!(sharded::scan_and_project, m)?)?;
