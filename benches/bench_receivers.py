@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+import dcr
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -186,10 +188,16 @@ def vllm_child(layout: str, rate: float, repeats: int, work: str) -> dict:
 
 def path_vllm(layout: str, rate: float, repeats: int) -> dict:
     with tempfile.TemporaryDirectory() as work:
+        # The child imports this dcr, not one vLLM's base interpreter may hold:
+        # a folder with only a link to it goes first on PYTHONPATH.
+        (Path(work) / "this-dcr").mkdir()
+        (Path(work) / "this-dcr" / "dcr").symlink_to(Path(dcr.__file__).resolve().parent)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(work) / "this-dcr"), env.get("PYTHONPATH")) if p)
         p = subprocess.run(
             [os.environ.get("DCR_VLLM_PYTHON") or sys.executable, __file__, "--vllm-child", layout,
              "--rate", str(rate), "--repeats", str(repeats), "--work", work],
-            capture_output=True, text=True, timeout=900,
+            capture_output=True, text=True, timeout=900, env=env,
         )
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("ROW ")]
     if p.returncode or not lines:

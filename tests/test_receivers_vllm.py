@@ -32,10 +32,24 @@ pytestmark = [
 ]
 
 
+def this_dcr_env(tmp_path: Path) -> dict[str, str]:
+    """The environment for a child in vLLM's interpreter that imports the
+    same dcr as this test (not one its base interpreter may hold): a folder
+    holding only a link to this dcr package goes first on PYTHONPATH."""
+    import dcr
+
+    folder = tmp_path / "this-dcr"
+    folder.mkdir(exist_ok=True)
+    (folder / "dcr").symlink_to(Path(dcr.__file__).resolve().parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), env.get("PYTHONPATH")) if p)
+    return env
+
+
 def run(kind: str, layout: str, tmp_path: Path) -> dict:
     p = subprocess.run(
         [PYTHON, str(SCRIPT), kind, layout, str(tmp_path)],
-        capture_output=True, text=True, timeout=540,
+        capture_output=True, text=True, timeout=540, env=this_dcr_env(tmp_path),
     )
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and lines, f"rc={p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"

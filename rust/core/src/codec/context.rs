@@ -706,8 +706,8 @@ fn push_change(out: &mut SparseChanges, i: usize, old: u64, new: u64, kind: Chan
 /// elements) that changed, as one bitmap per context laid end to end in
 /// `words`: bit `r` of context `c` is bit `r % 64` of
 /// `words[base[c] + r / 64]`. Each context's bitmap ends at its last
-/// change (`limit[c]` bits) and is followed by a zero word, so a window of
-/// two words starting below the limit stays inside it.
+/// change (`limit[c]` bits) and is followed by two zero words, so a window
+/// of two words starting below the limit plus 64 stays inside it.
 pub(super) struct RankBitmaps {
     pub(super) words: Vec<u64>,
     pub(super) base: Vec<usize>,
@@ -771,7 +771,7 @@ fn rank_bitmaps(parsed: &Parsed, n: usize, nctx: usize, context: &str) -> Result
         };
         bits_left -= limit;
         maps.limit[l.ctx] = limit;
-        maps.words.resize(base + limit.div_ceil(64) as usize + 1, 0);
+        maps.words.resize(base + limit.div_ceil(64) as usize + 2, 0);
     }
     Ok(maps)
 }
@@ -865,6 +865,58 @@ mod tests {
                     _ => (ranks::<u32>(&old, &model, &positions), ranks_reference::<u32>(&old, &model, &positions)),
                 };
                 assert_eq!(fast, slow, "{dtype:?}, {n} elements");
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn expansion_kernels_agree() {
+        use super::super::x86::{self, Kernel};
+        if !x86::wide_available() {
+            eprintln!("no AVX-512 here: the 256-element expansion is not compared");
+            return;
+        }
+        let mut next = super::super::tests::xorshift(0x5851_f42d_4c95_7f2d);
+        for (dtype, width) in [(Dtype::BF16, 2), (Dtype::F32, 4), (Dtype::F8_E4M3, 1), (Dtype::F16, 2)] {
+            let model = ContextModel::for_dtype(DType(dtype));
+            // Lengths around the block sizes, and change rates from sparse to
+            // every element (flag mode and Rice mode contexts).
+            for (n, every) in [(1usize, 1u64), (63, 3), (64, 2), (127, 5), (128, 1), (129, 7), (255, 4), (256, 1), (257, 3), (383, 2), (1000, 40), (4099, 6), (20_000, 30), (20_000, 2)] {
+                let old: Vec<u8> = (0..n)
+                    .flat_map(|_| {
+                        let r = next();
+                        let word = if r.is_multiple_of(9) { 0 } else { (r & !(0x7u64 << (8 * width - 4))) | ((r >> 60) << (8 * width - 5)) };
+                        word.to_le_bytes()[..width].to_vec()
+                    })
+                    .collect();
+                let mut new = old.clone();
+                for i in 0..n {
+                    if next().is_multiple_of(every) {
+                        new[i * width] ^= 1; // one ulp away or so: the low mantissa bit
+                    }
+                }
+                let found = super::super::find_changes(&old, &new, width, ChangeKind::Xor).unwrap();
+                let m = found.positions.len();
+                if m == 0 {
+                    continue;
+                }
+                let payload = encode(&old, &new, &found, &model, 1);
+                let parsed = parse(&payload, n, m, model.contexts(), "t").unwrap();
+                let maps = rank_bitmaps(&parsed, n, model.contexts(), "t").unwrap();
+                let listed: Vec<usize> = parsed.listed.iter().map(|l| l.ctx).collect();
+                let run = |kernel| {
+                    let mut positions = vec![0u32; m + x86::SPARE];
+                    match width {
+                        1 => x86::expand_with::<u8>(kernel, &old, &model, &listed, &maps, &mut positions),
+                        2 => x86::expand_with::<u16>(kernel, &old, &model, &listed, &maps, &mut positions),
+                        _ => x86::expand_with::<u32>(kernel, &old, &model, &listed, &maps, &mut positions),
+                    }
+                    positions
+                };
+                let (narrow, wide) = (run(Kernel::Avx2), run(Kernel::Avx512));
+                assert_eq!(narrow, found.positions, "{dtype:?}, {n} elements, 1 in {every} changed");
+                assert_eq!(wide, found.positions, "{dtype:?}, {n} elements, 1 in {every} changed");
             }
         }
     }

@@ -13,6 +13,12 @@
 //! memory: the cost is set by the contexts per block, hardly by the number
 //! of changes.
 //!
+//! Where the CPU also has AVX-512 (F and BW) the decoder walks blocks of
+//! 256 elements instead: one compare per 64 elements lands straight in a
+//! mask register, and the per-block work (the range of contexts present,
+//! the loop exit, which mispredicts) is paid a quarter as often. That made
+//! the whole context decode 10-15 % faster on the real pairs (Zen 4).
+//!
 //! Each kernel has a portable twin (`context::ranks_reference`,
 //! `context::decode_reference`) that the tests hold it to.
 
@@ -52,17 +58,239 @@ fn slow_pdep() -> bool {
 /// Spare slots at the end of the positions buffer (see `expand_avx2`).
 pub(super) const SPARE: usize = 64;
 
+/// Whether this CPU also has AVX-512 F and BW, for the expansion by blocks
+/// of 256 elements (`expand_avx512`).
+pub(super) fn wide_available() -> bool {
+    static WIDE: OnceLock<bool> = OnceLock::new();
+    *WIDE.get_or_init(|| available() && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw"))
+}
+
+/// The expansion kernels (`expand` picks the widest the CPU runs).
+/// The AVX-512 expansion walks blocks of `64 * LANES` elements. On the
+/// bf16 and fp32-master pairs (Zen 4), 4 beat 2 by 2-3 % and 8 by 2-5 %.
+const LANES: usize = 4;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kernel {
+    /// Blocks of 64 elements, AVX2 compares.
+    Avx2,
+    /// Blocks of 256 elements, AVX-512 compares into mask registers: a
+    /// quarter of the per-block work (context range, loop exit) per
+    /// element.
+    Avx512,
+}
+
 /// Expand the rank bitmaps of the `listed` contexts over the chunk `old`:
 /// the changed positions, ascending. `positions` must hold the listed
 /// total of changes plus `SPARE` slots; it is cut to the changes found.
 pub(super) fn expand<T: Word>(old: &[u8], model: &ContextModel, listed: &[usize], maps: &RankBitmaps, positions: &mut Vec<u32>) {
+    let kernel = if wide_available() { Kernel::Avx512 } else { Kernel::Avx2 };
+    expand_with::<T>(kernel, old, model, listed, maps, positions);
+}
+
+/// `expand` with a given kernel (the tests hold the two to each other).
+pub(super) fn expand_with<T: Word>(
+    kernel: Kernel,
+    old: &[u8],
+    model: &ContextModel,
+    listed: &[usize],
+    maps: &RankBitmaps,
+    positions: &mut Vec<u32>,
+) {
     assert!(available() && model.contexts() <= 256 && T::BYTES <= 4, "the caller checks the CPU and the model");
-    // Safety: the CPU has the features `expand_avx2` is compiled for
-    // (checked just above).
-    #[allow(unsafe_code)]
-    unsafe {
-        expand_avx2::<T>(old, model, listed, maps, positions)
+    match kernel {
+        // Safety: the CPU has the features `expand_avx2` is compiled for
+        // (checked just above).
+        #[allow(unsafe_code)]
+        Kernel::Avx2 => unsafe { expand_avx2::<T>(old, model, listed, maps, positions) },
+        Kernel::Avx512 => {
+            assert!(wide_available(), "the caller checks the CPU");
+            // Safety: checked just above.
+            #[allow(unsafe_code)]
+            unsafe {
+                expand_avx512::<T, LANES>(old, model, listed, maps, positions)
+            }
+        }
     }
+}
+
+/// 64 flags of a context's rank bitmap from bit `bit`: two words, which
+/// lie inside the bitmap or the two zero words after it when `bit` is
+/// below the bitmap's end plus 64 (`rank_bitmaps`).
+#[inline(always)]
+fn window(words: &[u64], bit: usize) -> u64 {
+    let i = bit / 64;
+    debug_assert!(i + 1 < words.len());
+    // Safety: `i + 1 < words.len()`: the callers read from below a
+    // bitmap's end plus 64, and every bitmap is followed by two zero words.
+    #[allow(unsafe_code)]
+    let pair = unsafe { u128::from(*words.get_unchecked(i)) | (u128::from(*words.get_unchecked(i + 1)) << 64) };
+    (pair >> (bit % 64)) as u64
+}
+
+/// Write the positions of the set bits of `changed` (elements from
+/// `start`) at `at`: four unconditionally (most blocks have no more; the
+/// surplus is overwritten or cut off), then any others. Returns how many.
+#[inline(always)]
+fn write_positions(at: &mut [u32], start: usize, mut changed: u64) -> usize {
+    let found = changed.count_ones() as usize;
+    for slot in &mut at[..4] {
+        *slot = (start + changed.trailing_zeros() as usize) as u32;
+        changed &= changed.wrapping_sub(1);
+    }
+    let mut slot = 4;
+    while changed != 0 {
+        at[slot] = (start + changed.trailing_zeros() as usize) as u32;
+        changed &= changed - 1;
+        slot += 1;
+    }
+    found
+}
+
+/// Compiled with AVX-512 F/BW and BMI2: may only run where
+/// `wide_available()`. The same walk as `expand_avx2`, by blocks of
+/// `64 * L` elements: per context present, one compare per 64 elements
+/// straight into a mask, and one deposit.
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx512f,avx512bw,avx2,bmi1,bmi2,popcnt")]
+unsafe fn expand_avx512<T: Word, const L: usize>(old: &[u8], model: &ContextModel, listed: &[usize], maps: &RankBitmaps, positions: &mut Vec<u32>) {
+    let w = T::BYTES;
+    let n = old.len() / w;
+    let mut next = [0usize; 256];
+    let mut end = [0usize; 256];
+    for &c in listed {
+        next[c] = maps.base[c] * 64;
+        end[c] = next[c] + maps.limit[c] as usize;
+    }
+    let (Some(&first), Some(&last)) = (listed.iter().min(), listed.iter().max()) else {
+        positions.clear();
+        return;
+    };
+    let mut count = 0usize;
+    let words = &maps.words[..];
+    let (shift, mask) = (model.shift, model.mask as u8);
+    for start in (0..n).step_by(64 * L) {
+        let mut v = [_mm512_setzero_si512(); L];
+        let mut valid = [0u64; L];
+        for half in 0..L / 2 {
+            let (v0, v1, valid0, valid1) = if start + 128 * half < n {
+                wide_block_contexts::<T>(old, start + 128 * half, shift, mask)
+            } else {
+                (_mm512_setzero_si512(), _mm512_setzero_si512(), 0, 0)
+            };
+            (v[2 * half], v[2 * half + 1], valid[2 * half], valid[2 * half + 1]) = (v0, v1, valid0, valid1);
+        }
+        let (lo, hi) = wide_min_max(&v);
+        let mut changed = [0u64; L];
+        for c in usize::from(lo).max(first)..usize::from(hi).min(last) + 1 {
+            let mut bit = next[c];
+            let stop = end[c];
+            if bit >= stop {
+                continue;
+            }
+            let probe = _mm512_set1_epi8(c as u8 as i8);
+            for lane in 0..L {
+                let m = _mm512_cmpeq_epi8_mask(v[lane], probe) & valid[lane];
+                let k = m.count_ones();
+                // Past the end every flag is zero: reading from the end
+                // keeps the window inside the bitmap's two zero words.
+                let from = if lane < 2 { bit } else { bit.min(stop) };
+                changed[lane] |= _pdep_u64(_bzhi_u64(window(words, from), k), m);
+                bit += k as usize;
+            }
+            next[c] = bit;
+        }
+        // At most the listed total is ever found (each bitmap bit is taken
+        // once), so `SPARE` slots past it suffice for each part.
+        for (lane, &bits) in changed.iter().enumerate() {
+            count += write_positions(&mut positions[count..count + SPARE], start + 64 * lane, bits);
+        }
+    }
+    positions.truncate(count);
+}
+
+/// The context bytes of the block of (up to) 128 words of `old` from word
+/// `start`, as two vectors of 64, and the masks of their valid elements (a
+/// partial last block is padded with zero words).
+#[allow(unsafe_code)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn wide_block_contexts<T: Word>(old: &[u8], start: usize, shift: u32, mask: u8) -> (__m512i, __m512i, u64, u64) {
+    const B: usize = 128;
+    let w = T::BYTES;
+    let len = B.min(old.len() / w - start);
+    let block = &old[start * w..(start + len) * w];
+    let valid = |from: usize| match len.saturating_sub(from) {
+        0 => 0,
+        k if k >= 64 => u64::MAX,
+        k => (1u64 << k) - 1,
+    };
+    // Safety (both calls): the slice holds 128 words.
+    if len == B {
+        let (v0, v1) = unsafe { wide_context_vectors::<T>(block, shift, mask) };
+        return (v0, v1, u64::MAX, u64::MAX);
+    }
+    let mut tail = [0u8; B * 4];
+    tail[..block.len()].copy_from_slice(block);
+    let (v0, v1) = unsafe { wide_context_vectors::<T>(&tail[..B * w], shift, mask) };
+    (v0, v1, valid(0), valid(64))
+}
+
+/// The context bytes of the 128 words at `words` (`128 * T::BYTES`
+/// bytes), in element order, as two vectors of 64.
+///
+/// # Safety
+/// `words` must hold at least `128 * T::BYTES` bytes; the CPU must have
+/// AVX-512 F and BW.
+#[allow(unsafe_code)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn wide_context_vectors<T: Word>(words: &[u8], shift: u32, mask: u8) -> (__m512i, __m512i) {
+    debug_assert!(words.len() >= 128 * T::BYTES);
+    let p = words.as_ptr() as *const __m512i;
+    let count = _mm_cvtsi32_si128(shift as i32);
+    match T::BYTES {
+        1 => {
+            // As in `context_vectors`: bits brought in from the byte above
+            // the field are masked off.
+            let m = _mm512_set1_epi8(mask as i8);
+            let f = |i: usize| _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(p.add(i)), count), m);
+            (f(0), f(1))
+        }
+        2 => {
+            let m = _mm512_set1_epi16(i16::from(mask));
+            let f = |i: usize| _mm512_cvtepi16_epi8(_mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(p.add(i)), count), m));
+            let join = |a: __m256i, b: __m256i| _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b);
+            (join(f(0), f(1)), join(f(2), f(3)))
+        }
+        _ => {
+            let m = _mm512_set1_epi32(i32::from(mask));
+            let f = |i: usize| _mm512_cvtepi32_epi8(_mm512_and_si512(_mm512_srl_epi32(_mm512_loadu_si512(p.add(i)), count), m));
+            let join = |i: usize| {
+                let v = _mm512_castsi128_si512(f(i));
+                let v = _mm512_inserti32x4::<1>(v, f(i + 1));
+                let v = _mm512_inserti32x4::<2>(v, f(i + 2));
+                _mm512_inserti32x4::<3>(v, f(i + 3))
+            };
+            (join(0), join(4))
+        }
+    }
+}
+
+/// The smallest and largest of the bytes in `v`.
+#[allow(unsafe_code)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn wide_min_max<const L: usize>(v: &[__m512i; L]) -> (u8, u8) {
+    let (mut lo, mut hi) = (v[0], v[0]);
+    for &x in &v[1..] {
+        lo = _mm512_min_epu8(lo, x);
+        hi = _mm512_max_epu8(hi, x);
+    }
+    let half = |v: __m512i| (_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v));
+    let (lo0, lo1) = half(lo);
+    let (hi0, hi1) = half(hi);
+    min_max(_mm256_min_epu8(lo0, lo1), _mm256_max_epu8(hi0, hi1))
 }
 
 /// Compiled with AVX2 and BMI2: may only run where `available()`.
@@ -102,35 +330,13 @@ unsafe fn expand_avx2<T: Word>(old: &[u8], model: &ContextModel, listed: &[usize
                 | (u64::from(_mm256_movemask_epi8(_mm256_cmpeq_epi8(v1, probe)) as u32) << 32))
                 & valid;
             let k = m.count_ones();
-            // Two words from the one holding the next flag: that bit lies
-            // below the end of the bitmap, so both words lie inside it or its
-            // trailing zero word.
-            let i = bit / 64;
-            debug_assert!(i + 1 < words.len());
-            // Safety: `i + 1 < words.len()` (above: `rank_bitmaps` pads each
-            // bitmap with a zero word past its end).
-            let pair = unsafe { u128::from(*words.get_unchecked(i)) | (u128::from(*words.get_unchecked(i + 1)) << 64) };
-            let flags = _bzhi_u64((pair >> (bit % 64)) as u64, k);
-            changed |= _pdep_u64(flags, m);
+            // `bit` lies below the end of the bitmap.
+            changed |= _pdep_u64(_bzhi_u64(window(words, bit), k), m);
             next[c] = bit + k as usize;
         }
-        // Positions of the set bits: four written unconditionally (most
-        // blocks have no more; the surplus is overwritten or cut off), then
-        // any others. `found` never passes the listed total, the number of
-        // set bits in all rank bitmaps, so `spare` slots suffice.
-        let found = changed.count_ones() as usize;
-        let at = &mut positions[count..count + SPARE];
-        for slot in &mut at[..4] {
-            *slot = (start + changed.trailing_zeros() as usize) as u32;
-            changed &= changed.wrapping_sub(1);
-        }
-        let mut slot = 4;
-        while changed != 0 {
-            at[slot] = (start + changed.trailing_zeros() as usize) as u32;
-            changed &= changed - 1;
-            slot += 1;
-        }
-        count += found;
+        // At most the listed total is ever found (each bitmap bit is taken
+        // once), so `SPARE` slots past it suffice.
+        count += write_positions(&mut positions[count..count + SPARE], start, changed);
     }
     positions.truncate(count);
 }
