@@ -69,8 +69,19 @@ def test_inspect_json_fields(ckpt_pair, tmp_path, capsys):
     per = {t["name"]: t for t in info["tensors"]}
     assert sum(t["changed_elements"] for t in per.values()) == info["changed_elements"]
     assert per["lm_head.weight"]["elements"] == 512 * 64
+    # `dcr diff` codes in context mode by default, each chunk falling back
+    # to context-free coding only when that is smaller
+    assert info["mode"] == "context"
+    assert sum(info["modes"].values()) == info["chunks"] == sum(info["encodings"].values())
+    assert info["modes"]["context"] > 0
     assert main(["inspect", str(delta)]) == 0
-    assert "B/chg" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "B/chg" in out and f"context {info['modes']['context']}" in out
+    free = tmp_path / "free.dcr"
+    main(["diff", str(old), str(new), "-o", str(free), "-q", "--mode", "free"])
+    capsys.readouterr()
+    assert main(["inspect", str(free), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["modes"] == {"free": info["chunks"], "context": 0}
 
 
 def test_wrong_base_is_refused_with_one_line_and_target_untouched(ckpt_pair, tmp_path):

@@ -165,7 +165,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"checkpoint {_human(info['checkpoint_bytes'])}"
     )
     enc = ", ".join(f"{k} {v}" for k, v in info["encodings"].items() if v)
-    print(f"  kind {info['kind']}, mode {info['mode']}, chunk size {_human(info['chunk_bytes'])}; encodings: {enc or 'none'}")
+    modes = ", ".join(f"{k} {v}" for k, v in info["modes"].items() if v)
+    print(f"  kind {info['kind']}, mode {info['mode']}, chunk size {_human(info['chunk_bytes'])}; "
+          f"chunks by mode: {modes or 'none'}; encodings: {enc or 'none'}")
     rows = [t for t in info["tensors"] if t["changed_elements"] or args.all]
     width = max([len(t["name"]) for t in rows] + [6])
     print(f"\n  {'tensor':<{width}}  {'elements':>12}  {'changed':>10}  {'rate %':>7}  {'bytes':>10}  {'B/chg':>6}")

@@ -70,6 +70,9 @@ pub struct DeltaStats {
     pub delta_bytes: u64,
     pub per_tensor: Vec<TensorStats>,
     pub encodings: [u32; 4],
+    /// Chunks by codec mode (`Mode as usize`: context-free, context-aware);
+    /// a context-mode delta falls back per chunk to context-free coding.
+    pub modes: [u32; 2],
 }
 
 /// One unit of work: chunk `start..start+len` (words) of tensor `tensor`.
@@ -279,6 +282,7 @@ pub fn diff_from(
             t.payload_bytes += bytes.len() as u64;
             stats.changed += u64::from(frame.n_changed);
             stats.encodings[frame.encoding as usize] += 1;
+            stats.modes[frame.mode as usize] += 1;
             seq = seq.checked_add(1).ok_or_else(|| Error::Invalid("more than 2^32 chunks: use a larger chunk size".into()))?;
             emit(&bytes, &mut stats)?;
         }
@@ -546,12 +550,14 @@ pub fn summarize(delta: &Delta, delta_bytes: u64) -> DeltaStats {
         .map(|t| TensorStats { name: t.name.clone(), words: t.words().unwrap_or(0), ..Default::default() })
         .collect();
     let mut encodings = [0u32; 4];
+    let mut modes = [0u32; 2];
     for c in &delta.chunks {
         let t = &mut per_tensor[c.tensor as usize];
         t.changed += u64::from(c.n_changed);
         t.chunks += 1;
         t.payload_bytes += (c.payload.len() + format::CHUNK_FIXED + 9) as u64;
         encodings[c.encoding as usize] += 1;
+        modes[c.mode as usize] += 1;
     }
     DeltaStats {
         base_digest: delta.header.base_digest,
@@ -565,6 +571,7 @@ pub fn summarize(delta: &Delta, delta_bytes: u64) -> DeltaStats {
         delta_bytes,
         per_tensor,
         encodings,
+        modes,
     }
 }
 

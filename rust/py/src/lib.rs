@@ -93,6 +93,10 @@ fn stats_dict<'py>(py: Python<'py>, s: &DeltaStats) -> PyResult<Bound<'py, PyDic
         enc.set_item(name, s.encodings[i])?;
     }
     d.set_item("encodings", enc)?;
+    let modes = PyDict::new(py);
+    modes.set_item("free", s.modes[Mode::Free as usize])?;
+    modes.set_item("context", s.modes[Mode::Context as usize])?;
+    d.set_item("modes", modes)?;
     let per = PyList::empty(py);
     for t in &s.per_tensor {
         let td = PyDict::new(py);
@@ -175,8 +179,10 @@ fn inspect_file<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDi
     d.set_item("format_version", dcr_core::format::FORMAT_VERSION)?;
     let kinds: Vec<&str> = delta.chunks.iter().map(|c| c.kind.name()).collect();
     d.set_item("kind", kinds.first().copied().unwrap_or("xor"))?;
-    let modes: Vec<&str> = delta.chunks.iter().map(|c| c.mode.name()).collect();
-    d.set_item("mode", modes.first().copied().unwrap_or("free"))?;
+    // A context-mode delta may code some chunks context-free (when that is
+    // smaller); it reads as context as soon as one chunk is.
+    let mode = if stats.modes[Mode::Context as usize] > 0 { Mode::Context } else { Mode::Free };
+    d.set_item("mode", mode.name())?;
     Ok(d)
 }
 
