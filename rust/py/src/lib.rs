@@ -552,16 +552,20 @@ fn header_dict<'py>(py: Python<'py>, header: &dcr_core::format::DeltaHeader) -> 
 /// decoding any chunk: its header, as `decode_delta` gives it.
 #[pyfunction]
 fn delta_header<'py>(py: Python<'py>, delta: &[u8]) -> PyResult<Bound<'py, PyDict>> {
-    let parsed = py
-        .detach(|| -> dcr_core::Result<_> {
-            let d = delta::read_delta(delta)?;
-            for c in &d.chunks {
-                delta::check_chunk(&d.header, c)?;
-            }
-            Ok(d)
-        })
-        .map_err(to_py)?;
-    header_dict(py, &parsed.header)
+    header_dict(py, &read_checked(py, delta)?.header)
+}
+
+/// Parse a delta and check every chunk's place in its tensor, without the
+/// GIL.
+fn read_checked(py: Python<'_>, delta: &[u8]) -> PyResult<delta::Delta> {
+    py.detach(|| -> dcr_core::Result<_> {
+        let d = delta::read_delta(delta)?;
+        for c in &d.chunks {
+            delta::check_chunk(&d.header, c)?;
+        }
+        Ok(d)
+    })
+    .map_err(to_py)
 }
 
 /// Parse, validate and decode a whole delta: its header and, per chunk,
@@ -580,84 +584,57 @@ fn decode_delta<'py>(
     delta: &[u8],
     base: Option<Bound<'py, PyAny>>,
 ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
-    type Decoded = (usize, u64, usize, &'static str, Vec<u8>, Vec<u8>);
-    fn decoded(c: &dcr_core::format::ChunkFrame, w: usize, ch: SparseChanges) -> Decoded {
-        let pos: Vec<u8> = ch.positions.iter().flat_map(|p| p.to_le_bytes()).collect();
-        let val: Vec<u8> = ch.values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        (c.tensor as usize, c.start, w, c.kind.name(), pos, val)
-    }
-    // Context-free chunks first; context-coded ones wait for their base.
-    let (parsed, mut chunks, waiting) = py
-        .detach(|| -> dcr_core::Result<_> {
-            let d = delta::read_delta(delta)?;
-            let mut out: Vec<Option<Decoded>> = Vec::with_capacity(d.chunks.len());
-            let mut waiting = Vec::new();
-            for (i, c) in d.chunks.iter().enumerate() {
-                let range = delta::check_chunk(&d.header, c)?;
-                let w = d.header.layout.tensors()[c.tensor as usize].dtype.word_bytes();
-                if c.mode == Mode::Context {
-                    waiting.push(i);
-                    out.push(None);
-                    continue;
-                }
-                let ch = codec::decode_chunk(&c.payload, range.len() / w, w, c.encoding, c.n_changed, &format!("chunk {}", c.seq))?;
-                out.push(Some(decoded(c, w, ch.to_changes())));
-            }
-            Ok((d, out, waiting))
-        })
-        .map_err(to_py)?;
-    if let Some(&first) = waiting.first() {
-        let Some(base) = base else {
+    let parsed = read_checked(py, delta)?;
+    let tensors = parsed.header.layout.tensors();
+    // The canonical base of each tensor with context-coded chunks.
+    let mut spans: HashMap<usize, Span> = HashMap::new();
+    for c in parsed.chunks.iter().filter(|c| c.mode == Mode::Context) {
+        let t = c.tensor as usize;
+        if spans.contains_key(&t) {
+            continue;
+        }
+        let Some(base) = &base else {
             return Err(to_py(dcr_core::Error::Invalid(format!(
                 "chunk {} is context-coded and decodes only against its base: pass base= (the canonical base tensors), \
                  apply it with apply_tensors/apply_file, or build the delta with mode='free'",
-                parsed.chunks[first].seq
+                c.seq
             ))));
         };
-        let tensors = parsed.header.layout.tensors();
-        let mut spans: HashMap<usize, Span> = HashMap::new();
-        for &i in &waiting {
-            let t = parsed.chunks[i].tensor as usize;
-            if spans.contains_key(&t) {
-                continue;
-            }
-            let span: Span = base.call1((tensors[t].name.as_str(),))?.extract()?;
-            let bytes = tensors[t].numel().map_err(to_py)? as usize * tensors[t].dtype.word_bytes();
-            if span.1 != bytes {
-                return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                    "base of {}: expected {bytes} bytes (its canonical size), got {}",
-                    tensors[t].name, span.1
-                )));
-            }
-            check_spans(&[span], false)?;
-            spans.insert(t, span);
+        let span: Span = base.call1((tensors[t].name.as_str(),))?.extract()?;
+        let bytes = tensors[t].numel().map_err(to_py)? as usize * tensors[t].dtype.word_bytes();
+        if span.1 != bytes {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "base of {}: expected {bytes} bytes (its canonical size), got {}",
+                tensors[t].name, span.1
+            )));
         }
-        let done = py
-            .detach(|| -> dcr_core::Result<Vec<(usize, Decoded)>> {
-                waiting
-                    .iter()
-                    .map(|&i| {
-                        let c = &parsed.chunks[i];
-                        let range = delta::check_chunk(&parsed.header, c)?;
-                        let w = tensors[c.tensor as usize].dtype.word_bytes();
-                        let span = [spans[&(c.tensor as usize)]];
-                        let whole = slices(&span)[0];
-                        let ch = delta::decode_against(c, &range, &parsed.header.layout, &whole[range.clone()])?;
-                        Ok((i, decoded(c, w, ch.to_changes())))
-                    })
-                    .collect()
-            })
-            .map_err(to_py)?;
-        for (i, d) in done {
-            chunks[i] = Some(d);
-        }
+        check_spans(&[span], false)?;
+        spans.insert(t, span);
     }
-    let chunks: Vec<Decoded> = chunks.into_iter().map(|c| c.expect("every chunk decoded")).collect();
+    type Decoded = (usize, u64, usize, &'static str, Vec<u8>, Vec<u8>);
+    let chunks: Vec<Decoded> = py
+        .detach(|| {
+            parsed
+                .chunks
+                .iter()
+                .map(|c| {
+                    let range = delta::check_chunk(&parsed.header, c)?;
+                    let t = c.tensor as usize;
+                    // Context-free chunks read no base.
+                    let span = [spans.get(&t).copied().unwrap_or((0, 0))];
+                    let base = slices(&span)[0].get(range.clone()).unwrap_or(&[]);
+                    let ch = delta::decode_against(c, &range, &parsed.header.layout, base)?.to_changes();
+                    let pos: Vec<u8> = ch.positions.iter().flat_map(|p| p.to_le_bytes()).collect();
+                    let val: Vec<u8> = ch.values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    Ok((t, c.start, tensors[t].dtype.word_bytes(), c.kind.name(), pos, val))
+                })
+                .collect::<dcr_core::Result<_>>()
+        })
+        .map_err(to_py)?;
     let h = header_dict(py, &parsed.header)?;
-    let names: Vec<&str> = parsed.header.layout.tensors().iter().map(|t| t.name.as_str()).collect();
     let list = PyList::empty(py);
     for (t, start, w, kind, pos, val) in chunks {
-        list.append((names[t], start, w, kind, PyBytes::new(py, &pos), PyBytes::new(py, &val)))?;
+        list.append((tensors[t].name.as_str(), start, w, kind, PyBytes::new(py, &pos), PyBytes::new(py, &val)))?;
     }
     Ok((h, list))
 }
