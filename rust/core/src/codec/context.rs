@@ -843,6 +843,18 @@ mod tests {
         }
     }
 
+    /// `n` little-endian words of `width` bytes that look like floats: a
+    /// few exponents, some zeros.
+    fn float_like_words(next: &mut impl FnMut() -> u64, n: usize, width: usize) -> Vec<u8> {
+        (0..n)
+            .flat_map(|_| {
+                let r = next();
+                let word = if r.is_multiple_of(9) { 0 } else { (r & !(0x7u64 << (8 * width - 4))) | ((r >> 60) << (8 * width - 5)) };
+                word.to_le_bytes()[..width].to_vec()
+            })
+            .collect()
+    }
+
     #[test]
     fn fast_ranks_match_the_reference() {
         // Float-like words (a few exponents, zeros, a partial last block)
@@ -851,13 +863,7 @@ mod tests {
         for (dtype, width) in [(Dtype::BF16, 2), (Dtype::F32, 4), (Dtype::F8_E4M3, 1), (Dtype::I16, 2), (Dtype::U8, 1)] {
             let model = ContextModel::for_dtype(DType(dtype));
             for n in [0usize, 1, 63, 64, 65, 1000, 4099] {
-                let old: Vec<u8> = (0..n)
-                    .flat_map(|_| {
-                        let r = next();
-                        let word = if r.is_multiple_of(9) { 0 } else { (r & !(0x7u64 << (8 * width - 4))) | ((r >> 60) << (8 * width - 5)) };
-                        word.to_le_bytes()[..width].to_vec()
-                    })
-                    .collect();
+                let old = float_like_words(&mut next, n, width);
                 let positions: Vec<u32> = (0..n as u32).filter(|_| next().is_multiple_of(6)).collect();
                 let (fast, slow) = match width {
                     1 => (ranks::<u8>(&old, &model, &positions), ranks_reference::<u8>(&old, &model, &positions)),
@@ -883,13 +889,7 @@ mod tests {
             // Lengths around the block sizes, and change rates from sparse to
             // every element (flag mode and Rice mode contexts).
             for (n, every) in [(1usize, 1u64), (63, 3), (64, 2), (127, 5), (128, 1), (129, 7), (255, 4), (256, 1), (257, 3), (383, 2), (1000, 40), (4099, 6), (20_000, 30), (20_000, 2)] {
-                let old: Vec<u8> = (0..n)
-                    .flat_map(|_| {
-                        let r = next();
-                        let word = if r.is_multiple_of(9) { 0 } else { (r & !(0x7u64 << (8 * width - 4))) | ((r >> 60) << (8 * width - 5)) };
-                        word.to_le_bytes()[..width].to_vec()
-                    })
-                    .collect();
+                let old = float_like_words(&mut next, n, width);
                 let mut new = old.clone();
                 for i in 0..n {
                     if next().is_multiple_of(every) {

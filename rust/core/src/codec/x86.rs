@@ -65,11 +65,11 @@ pub(super) fn wide_available() -> bool {
     *WIDE.get_or_init(|| available() && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw"))
 }
 
-/// The expansion kernels (`expand` picks the widest the CPU runs).
 /// The AVX-512 expansion walks blocks of `64 * LANES` elements. On the
 /// bf16 and fp32-master pairs (Zen 4), 4 beat 2 by 2-3 % and 8 by 2-5 %.
 const LANES: usize = 4;
 
+/// The expansion kernels (`expand` picks the widest the CPU runs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Kernel {
     /// Blocks of 64 elements, AVX2 compares.
@@ -111,6 +111,31 @@ pub(super) fn expand_with<T: Word>(
                 expand_avx512::<T, LANES>(old, model, listed, maps, positions)
             }
         }
+    }
+}
+
+/// Where each listed context's walk over its rank bitmap stands, for the
+/// expansion kernels; `None` when no context is listed.
+struct Cursors {
+    /// Per context (indexed by the context byte): the bit of `words` that
+    /// holds the flag of its next element, and the end of its bitmap (both
+    /// zero for contexts without changes: never entered).
+    next: [usize; 256],
+    end: [usize; 256],
+    /// The smallest and largest listed context.
+    first: usize,
+    last: usize,
+}
+
+impl Cursors {
+    fn new(listed: &[usize], maps: &RankBitmaps) -> Option<Self> {
+        let mut next = [0usize; 256];
+        let mut end = [0usize; 256];
+        for &c in listed {
+            next[c] = maps.base[c] * 64;
+            end[c] = next[c] + maps.limit[c] as usize;
+        }
+        Some(Cursors { next, end, first: *listed.iter().min()?, last: *listed.iter().max()? })
     }
 }
 
@@ -156,13 +181,7 @@ fn write_positions(at: &mut [u32], start: usize, mut changed: u64) -> usize {
 unsafe fn expand_avx512<T: Word, const L: usize>(old: &[u8], model: &ContextModel, listed: &[usize], maps: &RankBitmaps, positions: &mut Vec<u32>) {
     let w = T::BYTES;
     let n = old.len() / w;
-    let mut next = [0usize; 256];
-    let mut end = [0usize; 256];
-    for &c in listed {
-        next[c] = maps.base[c] * 64;
-        end[c] = next[c] + maps.limit[c] as usize;
-    }
-    let (Some(&first), Some(&last)) = (listed.iter().min(), listed.iter().max()) else {
+    let Some(Cursors { mut next, end, first, last }) = Cursors::new(listed, maps) else {
         positions.clear();
         return;
     };
@@ -300,16 +319,7 @@ unsafe fn expand_avx2<T: Word>(old: &[u8], model: &ContextModel, listed: &[usize
     const B: usize = 64;
     let w = T::BYTES;
     let n = old.len() / w;
-    // Per context (indexed by the context byte): the bit of `words` that
-    // holds the flag of its next element, and the end of its bitmap (both
-    // zero for contexts without changes: never entered).
-    let mut next = [0usize; 256];
-    let mut end = [0usize; 256];
-    for &c in listed {
-        next[c] = maps.base[c] * 64;
-        end[c] = next[c] + maps.limit[c] as usize;
-    }
-    let (Some(&first), Some(&last)) = (listed.iter().min(), listed.iter().max()) else {
+    let Some(Cursors { mut next, end, first, last }) = Cursors::new(listed, maps) else {
         positions.clear();
         return;
     };
