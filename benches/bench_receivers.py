@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-import dcr
+from dcr._procs import env_importing_this_dcr
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -188,12 +188,7 @@ def vllm_child(layout: str, rate: float, repeats: int, work: str) -> dict:
 
 def path_vllm(layout: str, rate: float, repeats: int) -> dict:
     with tempfile.TemporaryDirectory() as work:
-        # The child imports this dcr, not one vLLM's base interpreter may hold:
-        # a folder with only a link to it goes first on PYTHONPATH.
-        (Path(work) / "this-dcr").mkdir()
-        (Path(work) / "this-dcr" / "dcr").symlink_to(Path(dcr.__file__).resolve().parent)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(work) / "this-dcr"), env.get("PYTHONPATH")) if p)
+        env = env_importing_this_dcr(Path(work) / "this-dcr")  # the child imports this dcr
         p = subprocess.run(
             [os.environ.get("DCR_VLLM_PYTHON") or sys.executable, __file__, "--vllm-child", layout,
              "--rate", str(rate), "--repeats", str(repeats), "--work", work],

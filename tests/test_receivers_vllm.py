@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from dcr._procs import env_importing_this_dcr
+
 # vLLM may live in its own environment (.ci/install-vllm: its deps pin numpy < 2.4)
 PYTHON = os.environ.get("DCR_VLLM_PYTHON") or sys.executable
 SCRIPT = Path(__file__).with_name("_vllm_refit_check.py")
@@ -32,24 +34,10 @@ pytestmark = [
 ]
 
 
-def this_dcr_env(tmp_path: Path) -> dict[str, str]:
-    """The environment for a child in vLLM's interpreter that imports the
-    same dcr as this test (not one its base interpreter may hold): a folder
-    holding only a link to this dcr package goes first on PYTHONPATH."""
-    import dcr
-
-    folder = tmp_path / "this-dcr"
-    folder.mkdir(exist_ok=True)
-    (folder / "dcr").symlink_to(Path(dcr.__file__).resolve().parent)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), env.get("PYTHONPATH")) if p)
-    return env
-
-
 def run(kind: str, layout: str, tmp_path: Path) -> dict:
     p = subprocess.run(
         [PYTHON, str(SCRIPT), kind, layout, str(tmp_path)],
-        capture_output=True, text=True, timeout=540, env=this_dcr_env(tmp_path),
+        capture_output=True, text=True, timeout=540, env=env_importing_this_dcr(tmp_path / "this-dcr"),
     )
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and lines, f"rc={p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"

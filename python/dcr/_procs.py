@@ -3,9 +3,24 @@ whose first stdout lines are read, stderr logged to a file, stopped cleanly."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
+
+
+def env_importing_this_dcr(folder: Path) -> dict[str, str]:
+    """The environment for a child in another interpreter (vLLM's own venv)
+    that must import this dcr, not one its base interpreter may hold: a
+    folder holding only a link to this package goes first on PYTHONPATH
+    (only dcr, so the child's own numpy and the rest stay its own)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    link = folder / "dcr"
+    if not link.exists():
+        link.symlink_to(Path(__file__).resolve().parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), env.get("PYTHONPATH")) if p)
+    return env
 
 
 class Proc:
