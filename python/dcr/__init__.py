@@ -9,6 +9,10 @@ File level::
     dcr.apply_file("10-11.dcr", "replica.safetensors")      # in place
     dcr.refit_file("10-11.dcr", "replica.safetensors")      # in place, crash-safe, resumable
 
+A checkpoint path may also be a directory of shards (``model-00001-of-00004.
+safetensors``, ..., with or without ``model.safetensors.index.json``) or its
+index: the shards are one checkpoint, the union of their tensors.
+
 Tensor level (numpy arrays or CPU torch tensors, bf16 included, zero copy)::
 
     delta, stats = dcr.diff_tensors(old_state_dict, new_state_dict)

@@ -39,7 +39,8 @@ def _human(n: float) -> str:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    total = os.path.getsize(args.new)
+    # A sharded checkpoint is a directory: the core reports the real total.
+    total = os.path.getsize(args.new) if os.path.isfile(args.new) else 0
     bar = _bar(total, "diff", args.quiet or args.json)
 
     progress = _follow(bar)
@@ -454,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"dcr {dcr.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("diff", help="build the delta from OLD to NEW (safetensors files)")
+    d = sub.add_parser("diff", help="build the delta from OLD to NEW (safetensors files, or directories of shards)")
     d.add_argument("old")
     d.add_argument("new")
     d.add_argument("-o", "--output", required=True, help="delta file to write (atomically)")
@@ -476,7 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser(
         "apply",
-        help="apply DELTA in place to TARGET (a safetensors file), crash-safe: rerun after a failure to finish",
+        help="apply DELTA in place to TARGET (a safetensors file or a directory of shards), crash-safe: "
+        "rerun after a failure to finish",
     )
     a.add_argument("delta")
     a.add_argument("target")
@@ -489,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--journal", default=None, help="receiver journal (default: TARGET.dcrj beside it)")
     s.set_defaults(func=cmd_status)
 
-    v = sub.add_parser("verify", help="bit-exact comparison of two safetensors files (exit 1 when they differ)")
+    v = sub.add_parser("verify", help="bit-exact comparison of two checkpoints, files or shard directories (exit 1 when they differ)")
     v.add_argument("a")
     v.add_argument("b")
     v.set_defaults(func=cmd_verify)

@@ -22,7 +22,7 @@ pub enum Error {
         source: std::io::Error,
     },
 
-    #[error("{path}: not a safetensors checkpoint ({detail}); pass a .safetensors file written by safetensors/torch/transformers")]
+    #[error("{path}: not a safetensors checkpoint ({detail}); pass a .safetensors file written by safetensors/torch/transformers, a directory of its shards, or its .safetensors.index.json")]
     Checkpoint { path: PathBuf, detail: String },
 
     #[error("dtype {dtype} is not supported: {detail}")]

@@ -75,10 +75,10 @@ const FLUSH_GAP: usize = 64 << 20;
 
 impl RefitTarget for WritableCheckpoint {
     fn layout(&self) -> &Layout {
-        crate::checkpoint::SafetensorsFile::layout(self)
+        crate::checkpoint::MappedCheckpoint::layout(self)
     }
     fn buffers(&self) -> Vec<&[u8]> {
-        crate::checkpoint::SafetensorsFile::buffers(self)
+        crate::checkpoint::MappedCheckpoint::buffers(self)
     }
     fn buffers_mut(&mut self) -> Vec<&mut [u8]> {
         WritableCheckpoint::buffers_mut(self)
@@ -87,18 +87,18 @@ impl RefitTarget for WritableCheckpoint {
         // One msync per run of nearby file ranges: msync writes only dirty
         // pages, and one call lets the kernel write a batch back at once
         // instead of waiting for each tensor in turn.
-        let mut spans: Vec<Range<usize>> =
+        let mut spans: Vec<(usize, Range<usize>)> =
             ranges.iter().filter(|(_, r)| !r.is_empty()).map(|(t, r)| self.file_range(*t, r.clone())).collect();
-        spans.sort_by_key(|r| r.start);
-        let mut merged: Vec<Range<usize>> = Vec::new();
-        for r in spans {
+        spans.sort_by_key(|(file, r)| (*file, r.start));
+        let mut merged: Vec<(usize, Range<usize>)> = Vec::new();
+        for (file, r) in spans {
             match merged.last_mut() {
-                Some(m) if r.start <= m.end.saturating_add(FLUSH_GAP) => m.end = m.end.max(r.end),
-                _ => merged.push(r),
+                Some((f, m)) if *f == file && r.start <= m.end.saturating_add(FLUSH_GAP) => m.end = m.end.max(r.end),
+                _ => merged.push((file, r)),
             }
         }
-        for r in merged {
-            self.flush_file_range(r)?;
+        for (file, r) in merged {
+            self.flush_file_range(file, r)?;
         }
         Ok(())
     }

@@ -128,7 +128,8 @@ pub(crate) fn outcome_dict<'py>(py: Python<'py>, o: &ApplyOutcome) -> PyResult<B
     Ok(d)
 }
 
-/// Diff two safetensors files into a delta file (written atomically).
+/// Diff two checkpoints (safetensors files, or directories of shards) into a
+/// delta file (written atomically).
 #[pyfunction]
 #[pyo3(signature = (old, new, out, *, chunk_bytes=delta::DEFAULT_CHUNK_BYTES, kind="xor", zstd_level=1, mode="free", base_version=0, target_version=1, dense=false, threads=None, progress=None))]
 #[allow(clippy::too_many_arguments)]
@@ -154,7 +155,8 @@ fn diff_files<'py>(
     stats_dict(py, &stats)
 }
 
-/// Apply a delta file in place to a safetensors file.
+/// Apply a delta file in place to a checkpoint (a safetensors file, or every
+/// shard of a directory).
 #[pyfunction]
 #[pyo3(signature = (delta, target, *, threads=None))]
 fn apply_file<'py>(py: Python<'py>, delta: PathBuf, target: PathBuf, threads: Option<usize>) -> PyResult<Bound<'py, PyDict>> {
@@ -163,7 +165,8 @@ fn apply_file<'py>(py: Python<'py>, delta: PathBuf, target: PathBuf, threads: Op
     outcome_dict(py, &outcome)
 }
 
-/// Names of the tensors whose stored bits differ between two safetensors files.
+/// Names of the tensors whose stored bits differ between two checkpoints
+/// (files or shard directories, sharded alike or not).
 #[pyfunction]
 fn compare_files(py: Python<'_>, a: PathBuf, b: PathBuf) -> PyResult<Vec<String>> {
     py.detach(|| files::compare_files(&a, &b)).map_err(to_py)
@@ -186,7 +189,7 @@ fn inspect_file<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDi
     Ok(d)
 }
 
-/// Checkpoint digest of a safetensors file (hex).
+/// Checkpoint digest of a safetensors file or a directory of shards (hex).
 #[pyfunction]
 fn file_digest(py: Python<'_>, path: PathBuf) -> PyResult<String> {
     py.detach(|| {
@@ -431,7 +434,7 @@ fn torn_dict<'py>(py: Python<'py>, t: &Option<dcr_core::journal::TornTail>) -> P
     Ok(Some(d))
 }
 
-/// Apply a delta file in place to a safetensors file under a crash-safe
+/// Apply a delta file in place to a checkpoint (file or shard directory) under a crash-safe
 /// journal (default `<target>.dcrj`): rerun after a crash to finish the
 /// refit exactly; rerun after success is a no-op.
 #[pyfunction]
