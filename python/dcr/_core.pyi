@@ -2,6 +2,7 @@
 ``python -m mypy.stubtest dcr._core`` in CI)."""
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, final
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "apply_changes",
     "apply_file",
     "block_digest",
+    "checkpoint_files",
     "compare_files",
     "decode_delta",
     "delta_header",
@@ -92,6 +94,7 @@ def apply_file(delta: str | Any, target: str | Any, *, threads: int | None = Non
 def compare_files(a: str | Any, b: str | Any) -> list[str]: ...
 def inspect_file(path: str | Any) -> dict[str, Any]: ...
 def file_digest(path: str | Any) -> str: ...
+def checkpoint_files(path: str | Any) -> list[Path]: ...
 def diff_buffers(
     names: list[str],
     dtypes: list[str],

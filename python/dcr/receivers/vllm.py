@@ -64,13 +64,15 @@ def plain_cpu_layout() -> Iterator[None]:
 
 
 def checkpoint_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the safetensors files of a model directory (or one file)."""
+    """All tensors of a checkpoint: one safetensors file, or the shards of a
+    model directory (those its index lists, when it has one), as `dcr diff`
+    reads them."""
     from safetensors.torch import load_file
 
-    p = Path(path)
-    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+    from dcr import _core
+
     out: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in _core.checkpoint_files(path):
         out.update(load_file(str(f)))
     return out
 

@@ -199,6 +199,14 @@ fn file_digest(py: Python<'_>, path: PathBuf) -> PyResult<String> {
     .map_err(to_py)
 }
 
+/// The safetensors files a checkpoint path names: the file itself, the
+/// shards an index lists, or a directory's index's shards (else all its
+/// `.safetensors` files), as `dcr diff` / `apply` read them.
+#[pyfunction]
+fn checkpoint_files(path: PathBuf) -> PyResult<Vec<PathBuf>> {
+    Ok(dcr_core::checkpoint::checkpoint_files(&path).map_err(to_py)?.files)
+}
+
 // ------------------------------------------------------------ buffers
 
 /// Raw memory spans handed over by the Python layer (`dcr._buffers`), which
@@ -846,6 +854,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(compare_files, m)?)?;
     m.add_function(wrap_pyfunction!(inspect_file, m)?)?;
     m.add_function(wrap_pyfunction!(file_digest, m)?)?;
+    m.add_function(wrap_pyfunction!(checkpoint_files, m)?)?;
     m.add_function(wrap_pyfunction!(diff_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(apply_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(digest_buffers, m)?)?;
