@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -55,3 +57,24 @@ def ckpt_pair(tmp_path: Path, rng: np.random.Generator):
     }
     old, new = make_bf16_pair(rng, shapes, 0.03)
     return write_bf16(tmp_path / "old.safetensors", old), write_bf16(tmp_path / "new.safetensors", new)
+
+
+def kill_mid_refit(cmd: list[str], target: Path, timeout: float = 60) -> int:
+    """Run `cmd` (a `dcr apply` or `dcr receive` into `target`), poll the
+    target's journal and SIGKILL the process as soon as a chunk of a refit has
+    started. Returns the exit status: negative when killed, 0 when the
+    command finished first."""
+    import dcr
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            st = dcr.receiver_status(target)
+        except dcr.DcrError:
+            st = {}
+        if st.get("refit") and st["refit"]["applied"] + st["refit"]["in_progress"] > 0:
+            proc.kill()
+            break
+        time.sleep(0.001)
+    return proc.wait()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import dcr
-from conftest import make_bf16_pair, write_bf16
+from conftest import kill_mid_refit, make_bf16_pair, write_bf16
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "dcr.cli"]
@@ -201,19 +201,8 @@ def test_receive_is_journaled_and_a_killed_receive_finishes_on_rerun(tmp_path, p
         for i in range(3):
             target = tmp_path / f"mid{i}.safetensors"
             shutil.copyfile(old, target)
-            p = subprocess.Popen(cmd(target), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and p.poll() is None:
-                try:
-                    st = dcr.receiver_status(target)
-                except dcr.DcrError:
-                    st = {}
-                if st.get("refit") and st["refit"]["applied"] + st["refit"]["in_progress"] > 0:
-                    p.kill()
-                    break
-                time.sleep(0.001)
-            p.wait()
-            if p.returncode == 0:
+            status = kill_mid_refit(cmd(target), target)
+            if status == 0:
                 continue  # finished before the kill: nothing to resume
             st = dcr.receiver_status(target)
             if st["refit"] is None:

@@ -18,6 +18,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import dcr
+from conftest import kill_mid_refit
 
 CLI = [sys.executable, "-m", "dcr.cli"]
 KILLS = 100
@@ -184,20 +185,8 @@ def test_status_reports_a_refit_in_flight(model: tuple[list[Path], list[Path]], 
     out = subprocess.run([*CLI, "status", str(target)], capture_output=True, text=True, check=True).stdout
     assert "never refitted" in out
     # Leave a refit in flight by killing the first run as soon as a chunk was started.
-    proc = subprocess.Popen([*CLI, "apply", str(deltas[0]), str(target), "--batch-chunks", "1", "-q"])
-    deadline = time.monotonic() + 30
-    st = dcr.receiver_status(target)
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            st = dcr.receiver_status(target)
-        except dcr.DcrError:
-            st = {}
-        if st.get("refit") and st["refit"]["applied"] + st["refit"]["in_progress"] > 0:
-            proc.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.002)
-    proc.wait()
-    if proc.returncode == 0:
+    status = kill_mid_refit([*CLI, "apply", str(deltas[0]), str(target), "--batch-chunks", "1", "-q"], target)
+    if status == 0:
         pytest.skip("the refit finished before it could be interrupted")
     js = json.loads(
         subprocess.run([*CLI, "status", str(target), "--json"], capture_output=True, text=True, check=True).stdout

@@ -10,7 +10,6 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,7 @@ import pytest
 
 import dcr
 from dcr._st import save_raw
-from conftest import shared_data
+from conftest import kill_mid_refit, shared_data
 
 CLI = [sys.executable, "-m", "dcr.cli"]
 
@@ -159,19 +158,8 @@ def test_a_refit_killed_mid_way_resumes_across_shards(pair, tmp_path):
     landed = 0
     for attempt in range(6):
         replica = shutil.copytree(old_dir, tmp_path / f"replica{attempt}")
-        proc = subprocess.Popen([*CLI, "apply", str(delta), str(replica), "--batch-chunks", "1", "-q"])
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                st = dcr.receiver_status(replica)
-            except dcr.DcrError:
-                st = {}
-            if st.get("refit") and st["refit"]["applied"] + st["refit"]["in_progress"] > 0:
-                proc.send_signal(signal.SIGKILL)
-                break
-            time.sleep(0.001)
-        proc.wait()
-        if proc.returncode == -signal.SIGKILL:
+        status = kill_mid_refit([*CLI, "apply", str(delta), str(replica), "--batch-chunks", "1", "-q"], replica)
+        if status == -signal.SIGKILL:
             landed += 1
             st = dcr.receiver_status(replica)
             # The base was adopted as version 0; the refit to 1 is in flight.
