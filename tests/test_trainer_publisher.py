@@ -134,7 +134,7 @@ def _locals_from(full: dict[str, torch.Tensor], pl: L.Placements, dtype: torch.d
 DIMS = dict(H=64, nh=8, nkv=4, hd=8, F=96, V=100, E=4, EF=32)
 
 
-def _megatron_worker(rank: int, world: int, port: int, out: str, master: bool) -> None:
+def _megatron_worker(rank: int, world: int, port: int, out: str, master: bool, mode: str) -> None:
     try:
         _init(rank, world, port)
         from dcr.trainer import ShardedPublisher
@@ -154,7 +154,7 @@ def _megatron_worker(rank: int, world: int, port: int, out: str, master: bool) -
             loc_new = _locals_from(new32, pl, torch.float32)
         else:
             loc_old, loc_new = _locals_from(old, pl), _locals_from(new, pl)
-        pub = ShardedPublisher(pl, chunk_bytes=CHUNK, round_bytes=16 << 10)
+        pub = ShardedPublisher(pl, chunk_bytes=CHUNK, round_bytes=16 << 10, mode=mode)
         base = pub.start(loc_old, version=3)
         sink = _core.DeltaSink.file(Path(out) / "sharded.delta") if rank == 0 else None
         report = pub.publish(loc_new, sink)
@@ -175,16 +175,21 @@ def _megatron_worker(rank: int, world: int, port: int, out: str, master: bool) -
         raise
 
 
-@pytest.mark.parametrize("world,master", [(2, False), (4, False), (2, True)])
-def test_megatron_sharded_delta_equals_gathered_delta(tmp_path, world, master):
-    _spawn(_megatron_worker, world, str(tmp_path), master)
+@pytest.mark.parametrize("world,master,mode", [(2, False, "free"), (4, False, "free"), (2, True, "free"),
+                                               (2, False, "context")])
+def test_megatron_sharded_delta_equals_gathered_delta(tmp_path, world, master, mode):
+    _spawn(_megatron_worker, world, str(tmp_path), master, mode)
     full = torch.load(tmp_path / "full.pt")
     rep = json.loads((tmp_path / "report.json").read_text())
     gathered, stats = dcr.diff_tensors(full["old"], full["new"], chunk_bytes=CHUNK, base_version=3, target_version=4)
     sharded = (tmp_path / "sharded.delta").read_bytes()
     assert stats["changed_elements"] > 100 and rep["changed"] == stats["changed_elements"]
     assert rep["base"] == dcr.digest_tensors(full["old"]) and rep["target"] == dcr.digest_tensors(full["new"])
-    assert sharded == gathered, "the composed delta differs from the gathered checkpoint's delta"
+    if mode == "free":
+        assert sharded == gathered, "the composed delta differs from the gathered checkpoint's delta"
+    else:  # the chunks of column-parallel rows, vocab rows and experts are whole on one rank
+        info = dcr.inspect_file(tmp_path / "sharded.delta")
+        assert info["mode"] == "context" and info["chunks"] == stats["chunks"], info
     assert rep["committed"] and rep["bytes"] == len(sharded)
     target = {k: v.clone() for k, v in full["old"].items()}
     dcr.apply_tensors(sharded, target)
@@ -193,7 +198,11 @@ def test_megatron_sharded_delta_equals_gathered_delta(tmp_path, world, master):
     assert rep["v2"][:2] == [4, 5]
     if full["newer"] is not None:
         second, _ = dcr.diff_tensors(full["new"], full["newer"], chunk_bytes=CHUNK, base_version=4, target_version=5)
-        assert (tmp_path / "sharded2.delta").read_bytes() == second
+        if mode == "free":
+            assert (tmp_path / "sharded2.delta").read_bytes() == second
+        target2 = {k: v.clone() for k, v in full["new"].items()}
+        dcr.apply_tensors((tmp_path / "sharded2.delta").read_bytes(), target2)
+        assert all(torch.equal(_bits(target2[k]), _bits(full["newer"][k])) for k in target2)
     else:
         assert rep["v2"][2] == 0  # nothing changed since version 4
 
@@ -240,6 +249,68 @@ def test_fsdp2_sharded_delta_equals_gathered_delta(tmp_path, world):
     gathered, stats = dcr.diff_tensors(full["old"], full["new"], chunk_bytes=256, base_version=0, target_version=1)
     assert stats["changed_elements"] > 0
     assert (tmp_path / "fsdp.delta").read_bytes() == gathered
+
+
+CONTEXT_CHUNK = 12 << 10  # 6144 bf16 words: dim-0 shards of 2 ranks split one chunk of each tensor
+
+
+def _context_worker(rank: int, world: int, port: int, out: str) -> None:
+    """FSDP2 (dim-0 shards) of bf16 linears; mode="context" publishes."""
+    try:
+        _init(rank, world, port)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from dcr.trainer import ShardedPublisher
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)).to(torch.bfloat16)
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        pl = L.module_placements(model)
+        full_old = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+        pub = ShardedPublisher(pl, chunk_bytes=CONTEXT_CHUNK, mode="context")
+        pub.start(model)
+        with torch.no_grad():  # one ulp up or down on 6 % of each rank's shard
+            g = torch.Generator().manual_seed(10 + rank)
+            for p in model.parameters():
+                b = _bits(p.to_local()).reshape(-1)
+                m = torch.rand(b.numel(), generator=g) < 0.06
+                b[m] += torch.where(torch.rand(b.numel(), generator=g) < 0.5, 1, -1).to(b.dtype)[m]
+        full_new = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+        sink = _core.DeltaSink.file(Path(out) / "context.delta") if rank == 0 else None
+        report = pub.publish(model, sink)
+        whole = torch.tensor([len(pub.whole_chunks)])
+        dist.all_reduce(whole)
+        if rank == 0:
+            torch.save({"old": full_old, "new": full_new, "whole": int(whole),
+                        "committed": report.committed}, Path(out) / "full.pt")
+        _finish()
+    except Exception:
+        (Path(out) / f"error{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_context_mode_codes_the_chunks_a_rank_holds_whole(tmp_path, world):
+    _spawn(_context_worker, world, str(tmp_path))
+    full = torch.load(tmp_path / "full.pt")
+    sharded = (tmp_path / "context.delta").read_bytes()
+    kw = dict(chunk_bytes=CONTEXT_CHUNK, base_version=0, target_version=1)
+    context, stats = dcr.diff_tensors(full["old"], full["new"], mode="context", **kw)
+    free, _ = dcr.diff_tensors(full["old"], full["new"], mode="free", **kw)
+    info = dcr.inspect_file(tmp_path / "context.delta")
+    assert full["committed"] and info["changed_elements"] == stats["changed_elements"] > 1000
+    assert info["modes"]["context"] > 0
+    if world == 1:  # every chunk is whole on the one rank: the single-process delta
+        assert sharded == context
+    else:
+        # The chunks that straddle the two shards stay context-free, the rest match.
+        assert info["modes"]["free"] >= 1 and len(context) <= len(sharded) < len(free)
+        total = sum(-(-v.numel() * 2 // CONTEXT_CHUNK) for v in full["old"].values())
+        assert info["modes"]["context"] <= full["whole"] < total
+    target = {k: v.clone() for k, v in full["old"].items()}
+    dcr.apply_tensors(sharded, target)
+    assert all(torch.equal(_bits(target[k]), _bits(full["new"][k])) for k in target)
 
 
 def _rss_worker(rank: int, world: int, port: int, out: str) -> None:

@@ -162,6 +162,7 @@ class ComposedDelta:
         chunk_bytes: int,
         base_version: int,
         target_version: int,
+        mode: str = "free",
     ) -> ComposedDelta: ...
     def header_blob(self) -> bytes: ...
     @property
@@ -173,6 +174,17 @@ class ComposedDelta:
     def chunk_words(self, tensor: int) -> int: ...
     def chunk_frame(
         self, seq: int, tensor: int, start: int, positions: bytes, xor: bytes, *, zstd_level: int = 1
+    ) -> bytes: ...
+    def context_chunk_frame(
+        self,
+        seq: int,
+        tensor: int,
+        start: int,
+        base: tuple[int, int],
+        positions: bytes,
+        xor: bytes,
+        *,
+        zstd_level: int = 1,
     ) -> bytes: ...
     def trailer_frame(self, n_chunks: int, n_changed: int) -> bytes: ...
 

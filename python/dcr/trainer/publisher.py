@@ -5,7 +5,8 @@ baseline (kept in the checkpoint's dtype, on the GPU or in host memory),
 projects the changed positions into canonical coordinates through its
 :class:`~dcr.trainer.layouts.Placements`, and the ranks compose **one**
 delta, byte for byte the delta :func:`dcr.diff_tensors` would build from
-the gathered checkpoint (XOR changes, context-free mode):
+the gathered checkpoint (XOR changes; context-free mode, or see ``mode``
+below):
 
 1. scan: changed words per block of each local tensor (the Rust scan on the
    CPU, the dcr CUDA kernel on a GPU); only the changes leave the device;
@@ -17,6 +18,16 @@ the gathered checkpoint (XOR changes, context-free mode):
    owner (all-to-all of the changes only), the owner encodes the chunk and
    rank 0 writes the frames to the sink (file, relay tree, object store)
    while the next round is exchanged and encoded; then the trailer.
+
+``mode="context"``: a chunk whose whole canonical range one rank holds in
+one contiguous piece (FSDP's dim-0 shards, column-parallel rows, replicated
+tensors: nearly every chunk of a large tensor) is encoded by that rank from
+its own baseline, context-coded when smaller, the frame ``diff_tensors(...,
+mode="context")`` builds; its changes never leave the rank. Chunks spread
+over ranks (row-parallel column slices, shard boundaries) stay context-free.
+The receivers must then read their base (files, ``dcr receive``, runtime
+receivers holding whole tensors; tensor-parallel runtime receivers refuse
+context chunks).
 
 No rank ever holds a full copy of a sharded tensor. Where the trainer's value
 is not the stored value (fp32 master weights exported as bf16), *residual
@@ -111,7 +122,8 @@ class ShardedPublisher:
     ``pin_memory=True`` for fast device-to-host scans) or ``"same"`` (next
     to each local tensor, e.g. on the GPU). ``export(local, dtype)``: the
     residual conversion for local tensors whose dtype is not the
-    checkpoint's.
+    checkpoint's. ``mode``: ``"free"`` (default; any receiver decodes it) or
+    ``"context"`` (whole chunks a rank holds are context-coded, see above).
     """
 
     def __init__(
@@ -126,10 +138,13 @@ class ShardedPublisher:
         export: Callable[[torch.Tensor, torch.dtype], torch.Tensor] = cast_export,
         scan_block_elements: int = _SCAN_BLOCK_ELEMENTS,
         round_bytes: int = _ROUND_BYTES,
+        mode: str = "free",
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first "
                                "(a single process can use world_size=1)")
+        if mode not in ("free", "context"):
+            raise ValueError(f"mode must be 'free' or 'context', got {mode!r}")
         if baseline_device not in ("cpu", "same"):
             raise ValueError(f"baseline_device must be 'cpu' or 'same', got {baseline_device!r}")
         placements.validate()
@@ -143,6 +158,7 @@ class ShardedPublisher:
         self.export = export
         self.scan_block = scan_block_elements
         self.round_bytes = round_bytes
+        self.mode = mode
 
         # The checkpoint's layout: the union of every rank's canonical tensors.
         mine = {c.name: (tuple(c.shape), _dtype_name(c.dtype)) for c in placements.canonical.values()}
@@ -179,11 +195,41 @@ class ShardedPublisher:
                       [p.canonical_offset for p in ps], [list(p.canonical_strides) for p in ps])
             self.locals[lp.local_name] = _Local(lp, [self.index[c] for c in lp.canonical_names], dtype,
                                                 torch.empty(0, dtype=dtype).element_size(), pieces)
+        # Context mode: the chunks this rank holds whole, by global chunk id:
+        # (local tensor, its first element of the chunk, the chunk's words).
+        self.whole_chunks: dict[int, tuple[str, int, int]] = {}
+        if mode == "context":
+            self.whole_chunks = self._whole_chunks()
+        self.is_whole = np.zeros(int(self.first_chunk[-1]), dtype=bool)
+        self.is_whole[list(self.whole_chunks)] = True
         self.baseline: dict[str, torch.Tensor] = {}
         self.base_digests: list[bytes] | None = None
         self.version: int | None = None
 
     # ------------------------------------------------------------------ helpers
+
+    def _whole_chunks(self) -> dict[int, tuple[str, int, int]]:
+        """The canonical chunks that lie inside one piece of a local tensor
+        whose canonical positions are contiguous (C-order strides): this
+        rank holds their whole base, in order, at consecutive local elements."""
+        out: dict[int, tuple[str, int, int]] = {}
+        for name, info in self.locals.items():
+            for p in info.placement.pieces:
+                shape, strides = list(p.shape), list(p.canonical_strides)
+                contiguous = all(shape[d] <= 1 or strides[d] == int(np.prod(shape[d + 1:], dtype=np.int64))
+                                 for d in range(len(shape)))
+                if not contiguous:
+                    continue
+                t = self.index[p.canonical]
+                k = self.chunk_words[t]
+                words = int(np.prod(self.shapes[t], dtype=np.int64))
+                lo, hi = p.canonical_offset, p.canonical_offset + int(np.prod(shape, dtype=np.int64))
+                for c in range(-(-lo // k), hi // k + 1):
+                    start, end = c * k, min(c * k + k, words)
+                    if start >= words or end > hi:
+                        break
+                    out[int(self.first_chunk[t]) + c] = (name, p.local_offset + start - lo, end - start)
+        return out
 
     def _local_tensors(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, Any]] | torch.nn.Module
                        ) -> dict[str, torch.Tensor]:
@@ -372,7 +418,7 @@ class ShardedPublisher:
         target = [(base[i] + moved[i]).astype("<u4").tobytes() for i in range(len(self.names))]
         composed = _core.ComposedDelta(self.names, self.dtypes, self.shapes, self.base_digests, target,
                                        chunk_bytes=self.chunk_bytes, base_version=self.version,
-                                       target_version=target_version)
+                                       target_version=target_version, mode=self.mode)
         timings["digests"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
@@ -447,7 +493,11 @@ class ShardedPublisher:
         """Exchange, number and encode the chunks whose global ids this round
         covers (``rec``: this rank's changes in them, sorted by chunk id);
         returns rank 0's frames in order (empty elsewhere), the next sequence
-        number and the round's changed elements."""
+        number and the round's changed elements. Chunks this rank holds
+        whole (context mode) are encoded here; their changes stay."""
+        whole = self.is_whole[gid]
+        mine, mine_gid = rec[whole], gid[whole]
+        rec, gid = rec[~whole], gid[~whole]
         owner = gid % self.world
         order = np.argsort(owner, kind="stable")
         rec, owner = rec[order], owner[order]
@@ -463,9 +513,10 @@ class ShardedPublisher:
         del recv
 
         # Chunks with changes, numbered in canonical (= chunk id) order.
-        keys = np.unique(got_gid)
+        keys, mine_keys = np.unique(got_gid), np.unique(mine_gid)
         everyone: list[Any] = [None] * self.world
-        dist.all_gather_object(everyone, (keys, int(got.size)), group=self.group)
+        dist.all_gather_object(everyone, (np.concatenate([keys, mine_keys]), int(got.size + mine.size)),
+                               group=self.group)
         all_keys = np.sort(np.concatenate([k for k, _ in everyone]))
         total_changed = sum(n for _, n in everyone)
         seq_of = {int(g): seq + i for i, g in enumerate(all_keys)}
@@ -480,6 +531,18 @@ class ShardedPublisher:
             frames.append((seq_of[g], composed.chunk_frame(seq_of[g], ti, start, positions.tobytes(),
                                                            part["xor"].astype("<u8").tobytes(),
                                                            zstd_level=self.zstd_level)))
+        bounds = np.searchsorted(mine_gid, mine_keys, side="left").tolist() + [mine.size]
+        for k, g in enumerate(mine_keys.tolist()):
+            part = mine[bounds[k]:bounds[k + 1]]
+            ti = int(part["tensor"][0])
+            start = (g - int(self.first_chunk[ti])) * self.chunk_words[ti]
+            name, local_lo, words = self.whole_chunks[g]
+            base = self.baseline[name][local_lo:local_lo + words]
+            host = base if base.device.type == "cpu" else base.cpu()
+            positions = (part["element"] - np.uint64(start)).astype("<u4")
+            frames.append((seq_of[g], composed.context_chunk_frame(
+                seq_of[g], ti, start, (host.data_ptr(), host.numel() * host.element_size()), positions.tobytes(),
+                part["xor"].astype("<u8").tobytes(), zstd_level=self.zstd_level)))
         gathered: list[Any] = [None] * self.world if self.rank == 0 else []
         dist.gather_object(frames, gathered if self.rank == 0 else None, dst=0, group=self.group)
         ordered: list[bytes] = []

@@ -15,8 +15,10 @@
 //! - header and trailer from the summed digests ([`header_blob`],
 //!   [`trailer_frame`]).
 //!
-//! The XOR kind in the context-free mode is composed; the context mode reads
-//! base values across the whole chunk, which no single rank holds.
+//! The XOR kind is composed. The context mode reads the base values of the
+//! whole chunk: a rank that holds a chunk's whole canonical range encodes it
+//! from its own baseline ([`context_chunk_frame`], the frame the single
+//! process would build); a chunk spread over ranks stays context-free.
 
 use crate::checkpoint::{Digest, Layout};
 use crate::codec::{self, ChangeKind, EncodeOptions, Mode, SparseChanges};
@@ -221,11 +223,12 @@ pub fn sort_records(parts: &[&[u8]], chunk_words: &[u64], first_chunk: &[u64]) -
     Ok((out, keyed.into_iter().map(|(g, _, _)| g).collect()))
 }
 
-fn composed_options(chunk_bytes: u32, base_version: u64, target_version: u64) -> DiffOptions {
-    DiffOptions { chunk_bytes, kind: ChangeKind::Xor, mode: Mode::Free, base_version, target_version, ..Default::default() }
+fn composed_options(chunk_bytes: u32, base_version: u64, target_version: u64, mode: Mode) -> DiffOptions {
+    DiffOptions { chunk_bytes, kind: ChangeKind::Xor, mode, base_version, target_version, ..Default::default() }
 }
 
-/// Preamble and header frame of the composed delta, and its header.
+/// Preamble and header frame of the composed delta, and its header. `mode`
+/// is the delta's codec mode (it enters the delta id as in [`crate::delta::diff`]).
 pub fn header_blob(
     layout: &Layout,
     base_digests: &[Digest],
@@ -233,6 +236,7 @@ pub fn header_blob(
     chunk_bytes: u32,
     base_version: u64,
     target_version: u64,
+    mode: Mode,
 ) -> Result<(Vec<u8>, DeltaHeader)> {
     if base_digests.len() != layout.len() || target_digests.len() != layout.len() {
         return Err(Error::Invalid(format!(
@@ -245,17 +249,16 @@ pub fn header_blob(
     if chunk_bytes == 0 || chunk_bytes > format::MAX_CHUNK_BYTES {
         return Err(Error::Invalid(format!("chunk size must be 1..={} bytes, got {chunk_bytes}", format::MAX_CHUNK_BYTES)));
     }
-    let opts = composed_options(chunk_bytes, base_version, target_version);
+    let opts = composed_options(chunk_bytes, base_version, target_version, mode);
     let header = make_header(layout, layout.checkpoint_digest(base_digests), target_digests, &opts);
     let mut blob = format::preamble().to_vec();
     blob.extend_from_slice(&header.to_frame());
     Ok((blob, header))
 }
 
-/// The frame of chunk `start..start+len` (words) of tensor `tensor`, from
-/// its XOR changes gathered from every rank (`positions` relative to the
-/// chunk start, ascending, unique; `xor` non-zero words).
-pub fn chunk_frame(header: &DeltaHeader, seq: u32, tensor: u32, start: u64, changes: SparseChanges, zstd_level: i32) -> Result<Vec<u8>> {
+/// Check a chunk's coordinates and XOR changes against the header; returns
+/// the tensor's word width and the chunk's length in words.
+fn check_chunk_changes(header: &DeltaHeader, seq: u32, tensor: u32, start: u64, changes: &SparseChanges) -> Result<(usize, usize)> {
     let spec = header
         .layout
         .tensors()
@@ -282,16 +285,11 @@ pub fn chunk_frame(header: &DeltaHeader, seq: u32, tensor: u32, start: u64, chan
         }
         prev = Some(p);
     }
-    let dense = || {
-        let mut out = vec![0u8; len * width];
-        for (&p, &v) in changes.positions.iter().zip(&changes.values) {
-            out[p as usize * width..(p as usize + 1) * width].copy_from_slice(&v.to_le_bytes()[..width]);
-        }
-        out
-    };
-    let opts = EncodeOptions { kind: ChangeKind::Xor, zstd_level };
-    let enc = codec::encode_changes(&changes, len, width, opts, dense);
-    let frame = ChunkFrame {
+    Ok((width, len))
+}
+
+fn frame_of(header: &DeltaHeader, seq: u32, tensor: u32, start: u64, len: usize, enc: codec::EncodedChunk) -> Vec<u8> {
+    ChunkFrame {
         delta_tag: header.tag(),
         seq,
         tensor,
@@ -302,8 +300,55 @@ pub fn chunk_frame(header: &DeltaHeader, seq: u32, tensor: u32, start: u64, chan
         mode: enc.mode,
         n_changed: enc.n_changed,
         payload: enc.payload,
+    }
+    .to_frame()
+}
+
+/// The frame of chunk `start..start+len` (words) of tensor `tensor`, from
+/// its XOR changes gathered from every rank (`positions` relative to the
+/// chunk start, ascending, unique; `xor` non-zero words).
+pub fn chunk_frame(header: &DeltaHeader, seq: u32, tensor: u32, start: u64, changes: SparseChanges, zstd_level: i32) -> Result<Vec<u8>> {
+    let (width, len) = check_chunk_changes(header, seq, tensor, start, &changes)?;
+    let dense = || {
+        let mut out = vec![0u8; len * width];
+        for (&p, &v) in changes.positions.iter().zip(&changes.values) {
+            out[p as usize * width..(p as usize + 1) * width].copy_from_slice(&v.to_le_bytes()[..width]);
+        }
+        out
     };
-    Ok(frame.to_frame())
+    let opts = EncodeOptions { kind: ChangeKind::Xor, zstd_level };
+    let enc = codec::encode_changes(&changes, len, width, opts, dense);
+    Ok(frame_of(header, seq, tensor, start, len, enc))
+}
+
+/// The frame of a chunk whose whole base one rank holds (`base`: the
+/// chunk's canonical base bytes), from its XOR changes: context-coded when
+/// that is smaller, exactly as [`crate::delta::diff`] in the context mode
+/// encodes the chunk.
+pub fn context_chunk_frame(
+    header: &DeltaHeader,
+    seq: u32,
+    tensor: u32,
+    start: u64,
+    base: &[u8],
+    changes: SparseChanges,
+    zstd_level: i32,
+) -> Result<Vec<u8>> {
+    let (width, len) = check_chunk_changes(header, seq, tensor, start, &changes)?;
+    if base.len() != len * width {
+        return Err(Error::Invalid(format!("chunk {seq}: base of {} bytes for a chunk of {len} words of {width} bytes", base.len())));
+    }
+    let mut new = base.to_vec();
+    for (&p, &v) in changes.positions.iter().zip(&changes.values) {
+        let word = &mut new[p as usize * width..(p as usize + 1) * width];
+        for (b, x) in word.iter_mut().zip(v.to_le_bytes()) {
+            *b ^= x;
+        }
+    }
+    let model = codec::context::ContextModel::for_dtype(header.layout.tensors()[tensor as usize].dtype);
+    let opts = EncodeOptions { kind: ChangeKind::Xor, zstd_level };
+    let enc = codec::encode_found(base, &new, width, opts, Some(&model), changes);
+    Ok(frame_of(header, seq, tensor, start, len, enc))
 }
 
 /// The trailer frame of the composed delta.
@@ -381,7 +426,7 @@ mod tests {
         let moved = moves.finish();
         let target = [base.plus(moved).digest(), crate::digest::tensor_digest(&old_b, 4)];
         let base_d = [base.digest(), crate::digest::tensor_digest(&old_b, 4)];
-        let (mut composed, header) = header_blob(&layout, &base_d, &target, 16, 0, 1).unwrap();
+        let (mut composed, header) = header_blob(&layout, &base_d, &target, 16, 0, 1, Mode::Free).unwrap();
         let k = 8u64; // 16-byte chunks of bf16
         let mut seq = 0;
         let mut n_changed = 0;
@@ -400,5 +445,51 @@ mod tests {
         }
         composed.extend_from_slice(&trailer_frame(&header, seq, n_changed, &target));
         assert_eq!(composed, gathered);
+    }
+
+    #[test]
+    fn a_rank_holding_whole_chunks_composes_the_context_delta() {
+        let layout = Layout::new(vec![TensorSpec { name: "w".into(), dtype: DType(safetensors::Dtype::BF16), shape: vec![16, 512] }]).unwrap();
+        let n = 16 * 512;
+        // Weights of a few exponents; about 8 % move by one ulp.
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let old: Vec<u16> = (0..n).map(|_| 0x3C00 + (rnd() % 0x300) as u16).collect();
+        let new: Vec<u16> = old.iter().map(|&w| if rnd() % 12 == 0 { w + 1 } else { w }).collect();
+        let (old_b, new_b): (Vec<u8>, Vec<u8>) =
+            (old.iter().flat_map(|w| w.to_le_bytes()).collect(), new.iter().flat_map(|w| w.to_le_bytes()).collect());
+        let opts = DiffOptions { chunk_bytes: 4096, mode: Mode::Context, ..Default::default() };
+        let mut single = Vec::new();
+        crate::delta::diff(&layout, &[&old_b], &[&new_b], &opts, &mut |f| {
+            let _: () = single.extend_from_slice(f);
+            Ok(())
+        }, &mut |_, _| {}).unwrap();
+
+        let digest = |b: &[u8]| crate::digest::tensor_digest(b, 2);
+        let (mut composed, header) = header_blob(&layout, &[digest(&old_b)], &[digest(&new_b)], 4096, 0, 1, Mode::Context).unwrap();
+        let k = 2048usize;
+        let mut n_changed = 0u64;
+        for c in 0..n / k {
+            let changes = SparseChanges {
+                positions: (0..k).filter(|&i| old[c * k + i] != new[c * k + i]).map(|i| i as u32).collect(),
+                values: (0..k).filter(|&i| old[c * k + i] != new[c * k + i]).map(|i| u64::from(old[c * k + i] ^ new[c * k + i])).collect(),
+            };
+            n_changed += changes.positions.len() as u64;
+            let base = &old_b[c * k * 2..(c + 1) * k * 2];
+            composed.extend_from_slice(&context_chunk_frame(&header, c as u32, 0, (c * k) as u64, base, changes, 1).unwrap());
+        }
+        composed.extend_from_slice(&trailer_frame(&header, (n / k) as u32, n_changed, &[digest(&new_b)]));
+        assert_eq!(composed, single);
+        let parsed = crate::delta::read_delta(&composed).unwrap();
+        assert!(parsed.chunks.iter().all(|c| c.mode == Mode::Context), "every chunk is context-coded");
+
+        // A base of the wrong length is refused.
+        let one = SparseChanges { positions: vec![0], values: vec![1] };
+        assert!(context_chunk_frame(&header, 0, 0, 0, &old_b[..10], one, 1).is_err());
     }
 }

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use dcr_core::checkpoint::{digest_hex, Digest};
-use dcr_core::codec::SparseChanges;
+use dcr_core::codec::{Mode, SparseChanges};
 use dcr_core::digest::DigestMoves;
 use dcr_core::dtype::DType;
 use dcr_core::error::Error;
@@ -157,6 +157,17 @@ pub fn sort_records<'py>(
     Ok((PyBytes::new(py, &sorted), PyBytes::new(py, &g)))
 }
 
+/// XOR changes from packed `positions` (uint32 LE) and `xor` (uint64 LE words).
+fn changes_of(positions: &[u8], xor: &[u8]) -> PyResult<SparseChanges> {
+    if !positions.len().is_multiple_of(4) {
+        return Err(pyo3::exceptions::PyValueError::new_err("positions: not a whole number of uint32"));
+    }
+    Ok(SparseChanges {
+        positions: positions.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect(),
+        values: u64s(xor, "xor")?,
+    })
+}
+
 /// The header of a delta composed from many ranks' changes, and the frames
 /// built against it.
 #[pyclass(module = "dcr._core", frozen)]
@@ -164,13 +175,14 @@ pub struct ComposedDelta {
     header: DeltaHeader,
     blob: Vec<u8>,
     target_digests: Vec<Digest>,
+    mode: Mode,
 }
 
 #[pymethods]
 impl ComposedDelta {
     /// `names` must be in canonical (sorted) order; digests per tensor.
     #[new]
-    #[pyo3(signature = (names, dtypes, shapes, base_digests, target_digests, *, chunk_bytes, base_version, target_version))]
+    #[pyo3(signature = (names, dtypes, shapes, base_digests, target_digests, *, chunk_bytes, base_version, target_version, mode="free"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         names: Vec<String>,
@@ -181,15 +193,18 @@ impl ComposedDelta {
         chunk_bytes: u32,
         base_version: u64,
         target_version: u64,
+        mode: &str,
     ) -> PyResult<Self> {
+        let mode = crate::parse_mode(mode)?;
         let (layout, order) = layout_of(names, dtypes, shapes)?;
         if order.iter().enumerate().any(|(i, &o)| i != o) {
             return Err(pyo3::exceptions::PyValueError::new_err("tensor names must be given in canonical (sorted) order"));
         }
         let base = base_digests.iter().map(|d| digest_of(d, "base digest")).collect::<PyResult<Vec<_>>>()?;
         let target = target_digests.iter().map(|d| digest_of(d, "target digest")).collect::<PyResult<Vec<_>>>()?;
-        let (blob, header) = sharded::header_blob(&layout, &base, &target, chunk_bytes, base_version, target_version).map_err(to_py)?;
-        Ok(ComposedDelta { header, blob, target_digests: target })
+        let (blob, header) =
+            sharded::header_blob(&layout, &base, &target, chunk_bytes, base_version, target_version, mode).map_err(to_py)?;
+        Ok(ComposedDelta { header, blob, target_digests: target, mode })
     }
 
     /// Preamble and header frame.
@@ -237,14 +252,40 @@ impl ComposedDelta {
         xor: &[u8],
         zstd_level: i32,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        if !positions.len().is_multiple_of(4) {
-            return Err(pyo3::exceptions::PyValueError::new_err("positions: not a whole number of uint32"));
-        }
-        let changes = SparseChanges {
-            positions: positions.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect(),
-            values: u64s(xor, "xor")?,
-        };
+        let changes = changes_of(positions, xor)?;
         let frame = py.detach(|| sharded::chunk_frame(&self.header, seq, tensor, start, changes, zstd_level)).map_err(to_py)?;
+        Ok(PyBytes::new(py, &frame))
+    }
+
+    /// The frame of a chunk whose whole canonical base this rank holds
+    /// (`base`: a (pointer, byte length) span of it), from its XOR changes:
+    /// context-coded when smaller, as `diff(..., mode="context")` builds it.
+    /// Only for a delta composed in the context mode.
+    #[pyo3(signature = (seq, tensor, start, base, positions, xor, *, zstd_level=1))]
+    #[allow(clippy::too_many_arguments)]
+    fn context_chunk_frame<'py>(
+        &self,
+        py: Python<'py>,
+        seq: u32,
+        tensor: u32,
+        start: u64,
+        base: Span,
+        positions: &[u8],
+        xor: &[u8],
+        zstd_level: i32,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        if self.mode != Mode::Context {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "context_chunk_frame needs a delta composed with mode=\"context\" (its id binds the mode)",
+            ));
+        }
+        let spans = [base];
+        crate::check_spans(&spans, false)?;
+        let changes = changes_of(positions, xor)?;
+        let views = slices(&spans);
+        let frame = py
+            .detach(|| sharded::context_chunk_frame(&self.header, seq, tensor, start, views[0], changes, zstd_level))
+            .map_err(to_py)?;
         Ok(PyBytes::new(py, &frame))
     }
 
