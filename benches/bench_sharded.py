@@ -7,7 +7,8 @@ Per rank: encode wall time of one step and the peak resident memory it
 added (VmHWM after resetting it through /proc/self/clear_refs); the deltas
 of both methods are checked equal. Prints a table, writes JSON.
 
-    python3 benches/bench_sharded.py [--worlds 1 2 4] [--mib 256] [--rate 0.03] [--out bench-out/sharded.json]
+    python3 benches/bench_sharded.py [--worlds 1 2 4] [--mib 256] [--rate 0.03] [--mode free|context]
+                                     [--out bench-out/sharded.json]
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
 
     result: dict = {"rank": rank, "world": world}
     # Sharded: a first publish warms up and commits version 1, the next one is measured.
-    pub = ShardedPublisher(pl)
+    pub = ShardedPublisher(pl, mode=args["mode"])
     pub.start(local)
     step(1)
     pub.publish(local, _core.DeltaSink.file(Path(out) / "warm.delta") if rank == 0 else None)
@@ -86,6 +87,7 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
     result["sharded_s"] = time.perf_counter() - t0
     result["sharded_peak_added"] = _rss("VmHWM") - before
     result["changed"] = rep.changed
+    result["delta_bytes"] = rep.delta_bytes
     result["stages"] = rep.seconds
     del pub
 
@@ -96,7 +98,7 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
     t0 = time.perf_counter()
     new_full = gather()
     if rank == 0:
-        delta, stats = dcr.diff_tensors(base_full, new_full, base_version=1, target_version=2)
+        delta, stats = dcr.diff_tensors(base_full, new_full, base_version=1, target_version=2, mode=args["mode"])
         result["gather_changed"] = stats["changed_elements"]
         result["equal"] = delta == (Path(out) / "sharded.delta").read_bytes()
     result["gather_s"] = time.perf_counter() - t0
@@ -120,17 +122,18 @@ def main() -> int:
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--mib", type=int, default=256, help="canonical checkpoint size (bf16)")
     ap.add_argument("--rate", type=float, default=0.03)
+    ap.add_argument("--mode", choices=["free", "context"], default="free", help="codec mode of both methods")
     ap.add_argument("--out", default="bench-out/sharded.json")
     a = ap.parse_args()
     cols = 4096
     rows = 4096
     n_tensors = max(1, a.mib * (1 << 20) // (rows * cols * 2))
     rows = a.mib * (1 << 20) // (n_tensors * cols * 2) // 4 * 4
-    args = {"tensors": n_tensors, "rows": rows, "cols": cols, "rate": a.rate}
+    args = {"tensors": n_tensors, "rows": rows, "cols": cols, "rate": a.rate, "mode": a.mode}
     runs = []
     print(f"checkpoint {n_tensors} x [{rows}, {cols}] bf16 = {n_tensors * rows * cols * 2 / 2**20:.0f} MiB, "
-          f"change rate {a.rate:.0%}, gloo on {os.cpu_count()} cores")
-    print(f"{'ranks':>5} {'shard MiB':>9} | {'sharded s':>9} {'peak+ MiB':>9} | {'gather+diff s':>13} "
+          f"change rate {a.rate:.0%}, mode {a.mode}, gloo on {os.cpu_count()} cores")
+    print(f"{'ranks':>5} {'shard MiB':>9} | {'sharded s':>9} {'peak+ MiB':>9} {'B/changed':>9} | {'gather+diff s':>13} "
           f"{'rank0 peak+ MiB':>15} | equal")
     for world in a.worlds:
         with tempfile.TemporaryDirectory() as d:
@@ -146,11 +149,13 @@ def main() -> int:
             "gather_diff_s": r0["gather_s"],
             "gather_peak_added_mib_rank0": r0["gather_peak_added"] / 2**20,
             "changed": r0["changed"],
+            "delta_bytes": r0["delta_bytes"],
             "stages_rank0": r0["stages"],
             "per_rank": rs,
         }
         runs.append(row)
-        print(f"{world:>5} {row['shard_mib']:>9.0f} | {row['sharded_s_max']:>9.2f} {row['sharded_peak_added_mib_max']:>9.1f} | "
+        print(f"{world:>5} {row['shard_mib']:>9.0f} | {row['sharded_s_max']:>9.2f} {row['sharded_peak_added_mib_max']:>9.1f} "
+              f"{row['delta_bytes'] / max(row['changed'], 1):>9.3f} | "
               f"{row['gather_diff_s']:>13.2f} {row['gather_peak_added_mib_rank0']:>15.1f} | {same}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"args": args, "runs": runs}, indent=1))
