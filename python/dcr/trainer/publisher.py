@@ -205,6 +205,9 @@ class ShardedPublisher:
         self.baseline: dict[str, torch.Tensor] = {}
         self.base_digests: list[bytes] | None = None
         self.version: int | None = None
+        # The last published version until its commit or abort: target
+        # digests, version, and each local tensor's changes.
+        self._pending: tuple[list[bytes], int, dict[str, list[tuple[int, np.ndarray, np.ndarray]]]] | None = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -554,7 +557,7 @@ class ShardedPublisher:
 
     def commit(self) -> None:
         """Advance the baseline to the last published version (all ranks)."""
-        pending = getattr(self, "_pending", None)
+        pending = self._pending
         if pending is None:
             raise RuntimeError("nothing to commit: publish() first")
         target, target_version, changes = pending
