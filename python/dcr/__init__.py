@@ -100,10 +100,10 @@ def diff_tensors(
     if set(old) != set(new):
         missing = sorted(set(old) ^ set(new))[:5]
         raise LayoutMismatchError(f"old and new hold different tensor names (e.g. {missing}); pass matching state dicts")
-    olds = _buffers.spans_of(old)
-    news = _buffers.spans_of({k: new[k] for k in old})
-    names, dtypes, shapes, old_spans = _buffers.layout_args(olds)
-    _, new_dtypes, new_shapes, new_spans = _buffers.layout_args(news)
+    olds = _buffers.describe(old)
+    news = _buffers.describe({k: new[k] for k in old})
+    names, dtypes, shapes, old_spans, _ = olds
+    _, new_dtypes, new_shapes, new_spans, _ = news
     for n, a, b, sa, sb in zip(names, dtypes, new_dtypes, shapes, new_shapes):
         if a != b or sa != sb:
             raise LayoutMismatchError(f"tensor {n!r}: old is {a}{sa}, new is {b}{sb}; shapes and dtypes must match")
@@ -137,11 +137,11 @@ def apply_tensors(delta: bytes, tensors: Mapping[str, Any], *, threads: int | No
     wrote the tensors since): the base check then reads no tensor bytes and
     the target digests are verified from the words the delta writes.
     """
-    spans = _buffers.spans_of(tensors, writable=True)
-    names, dtypes, shapes, ptrs = _buffers.layout_args(spans)
+    described = _buffers.describe(tensors, writable=True)
+    names, dtypes, shapes, ptrs, _ = described
     result = _core.apply_buffers(bytes(delta), names, dtypes, shapes, ptrs, threads=threads,
                                  base_digests=_digest_list(base_digests, names))
-    del spans
+    del described
     return result
 
 
@@ -159,17 +159,17 @@ def tensor_digests(tensors: Mapping[str, Any]) -> dict[str, bytes]:
     """Each tensor's digest (16 bytes; they add up over elements, see
     docs/format.md). Keep them with a committed version to diff or apply the
     next delta without digesting the whole checkpoint again."""
-    spans = _buffers.spans_of(tensors)
-    names, dtypes, shapes, ptrs = _buffers.layout_args(spans)
+    described = _buffers.describe(tensors)
+    names, dtypes, shapes, ptrs, _ = described
     out = _core.tensor_digest_buffers(names, dtypes, shapes, ptrs)
-    del spans
+    del described
     return dict(zip(names, out))
 
 
 def digest_tensors(tensors: Mapping[str, Any]) -> str:
     """Checkpoint digest (hex) of a state dict: equal digests mean equal bits."""
-    spans = _buffers.spans_of(tensors)
-    names, dtypes, shapes, ptrs = _buffers.layout_args(spans)
+    described = _buffers.describe(tensors)
+    names, dtypes, shapes, ptrs, _ = described
     digest = _core.digest_buffers(names, dtypes, shapes, ptrs)
-    del spans
+    del described
     return digest

@@ -7,6 +7,7 @@ and keeps the owners referenced for the duration of the call.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -104,14 +105,48 @@ def span_of(name: str, x: Any, *, writable: bool = False) -> Span:
     return Span(name, _NUMPY_DTYPES[a.dtype], list(a.shape), a.ctypes.data, a.nbytes, a)
 
 
-def spans_of(tensors: Mapping[str, Any], *, writable: bool = False) -> list[Span]:
-    return [span_of(k, v, writable=writable) for k, v in tensors.items()]
+class Described(NamedTuple):
+    """A state dict as the core takes it: parallel lists, and the owners to
+    keep referenced for the duration of the call."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    spans: list[tuple[int, int]]
+    owners: list[Any]
 
 
-def layout_args(spans: list[Span]) -> tuple[list[str], list[str], list[list[int]], list[tuple[int, int]]]:
-    return (
-        [s.name for s in spans],
-        [s.dtype for s in spans],
-        [s.shape for s in spans],
-        [(s.ptr, s.nbytes) for s in spans],
-    )
+def describe(tensors: Mapping[str, Any], *, writable: bool = False) -> Described:
+    """Describe every tensor or array of ``tensors`` (see :func:`span_of`).
+
+    Plain contiguous CPU torch tensors take a short path (a refit describes
+    every tensor of the model on each call: about 0.6 against 1.3 us each);
+    anything else goes through :func:`span_of`, which also raises the errors."""
+    out = Described([], [], [], [], [])
+    names, dtypes, shapes, spans, owners = out
+    tensor_type = _torch_tensor_type()
+    for name, x in tensors.items():
+        if tensor_type is not None and isinstance(x, tensor_type) and x.is_cpu and x.is_contiguous() \
+                and not (writable and x.requires_grad):
+            dtype = _TORCH_DTYPES.get(x.dtype) or _torch_dtype_name(x.dtype)
+            if dtype is not None:
+                names.append(name)
+                dtypes.append(dtype)
+                shapes.append(list(x.shape))
+                spans.append((x.data_ptr(), x.nbytes))
+                owners.append(x)
+                continue
+        s = span_of(name, x, writable=writable)
+        names.append(s.name)
+        dtypes.append(s.dtype)
+        shapes.append(s.shape)
+        spans.append((s.ptr, s.nbytes))
+        owners.append(s.owner)
+    return out
+
+
+def _torch_tensor_type() -> Any:
+    """``torch.Tensor`` when torch is loaded (a numpy-only caller never
+    imports it)."""
+    torch = sys.modules.get("torch")
+    return getattr(torch, "Tensor", None)
