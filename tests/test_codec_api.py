@@ -184,3 +184,36 @@ def test_known_base_digests_give_the_same_delta_and_a_verified_apply():
     with pytest.raises(dcr.BaseMismatchError):
         dcr.apply_tensors(known, again, base_digests={**digests, "t1": wrong["t1"]})
     assert all(torch.equal(again[k].view(torch.int16), old[k].view(torch.int16)) for k in old)
+
+
+def test_one_thread_runs_on_the_calling_thread_with_the_same_bytes(rng, tmp_path):
+    """threads=1 does all the work on the calling thread (no pool thread is
+    started) and builds the same delta as a pool; the applies agree."""
+    import subprocess
+    import sys
+
+    old = {f"t{i}": rng.integers(0, 2**16, 300_000, dtype=np.uint16) for i in range(4)}
+    new = {k: v ^ (rng.random(v.size) < 0.03).astype(np.uint16) for k, v in old.items()}
+    one, _ = dcr.diff_tensors(old, new, threads=1, mode="context")
+    pooled, _ = dcr.diff_tensors(old, new, threads=2, mode="context")
+    assert one == pooled
+    a = {k: v.copy() for k, v in old.items()}
+    b = {k: v.copy() for k, v in old.items()}
+    dcr.apply_tensors(one, a, threads=1)
+    dcr.apply_tensors(one, b)
+    assert all(np.array_equal(a[k], new[k]) and np.array_equal(b[k], new[k]) for k in new)
+
+    # In a fresh process, one-thread calls start no dcr worker thread.
+    script = tmp_path / "one_thread.py"
+    script.write_text(
+        "import os, numpy as np, dcr\n"
+        "old = {'w': np.arange(1 << 20, dtype=np.uint16)}\n"
+        "new = {'w': old['w'] ^ (np.arange(1 << 20) % 31 == 0).astype(np.uint16)}\n"
+        "d, _ = dcr.diff_tensors(old, new, threads=1)\n"
+        "dcr.apply_tensors(d, old, threads=1)\n"
+        "assert np.array_equal(old['w'], new['w'])\n"
+        "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
+        "print(sum(n.startswith('dcr-') for n in names))\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0", out.stdout + out.stderr

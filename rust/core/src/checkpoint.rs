@@ -5,7 +5,6 @@ use std::fs::{File, OpenOptions};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use rayon::prelude::*;
 use safetensors::SafeTensors;
 use xxhash_rust::xxh3::Xxh3;
 
@@ -113,7 +112,7 @@ impl Layout {
     /// parallel and large tensors in parallel blocks.
     pub fn tensor_digests(&self, buffers: &[&[u8]]) -> Vec<Digest> {
         assert_eq!(buffers.len(), self.tensors.len());
-        self.tensors.par_iter().zip(buffers.par_iter()).map(|(t, b)| tensor_digest(b, t.dtype)).collect()
+        crate::exec::map_range(self.tensors.len(), |i| tensor_digest(buffers[i], self.tensors[i].dtype))
     }
 
     /// Check that `other` has the same names, dtypes and shapes.

@@ -4,7 +4,6 @@
 
 use std::collections::HashSet;
 
-use rayon::prelude::*;
 
 use std::sync::atomic::Ordering;
 
@@ -177,9 +176,8 @@ pub fn diff_from(
             None => layout.tensor_digests(old),
         };
         let budget = std::sync::atomic::AtomicUsize::new(KEPT_CHANGES_BYTES);
-        let found: Vec<(DigestSum, Option<codec::SparseChanges>)> = units
-            .par_iter()
-            .map(|u| {
+        let found: Vec<(DigestSum, Option<codec::SparseChanges>)> = crate::exec::map_range(units.len(), |i| {
+                let u = &units[i];
                 let r = byte_range(u);
                 let (xor, moved) =
                     codec::find_changes_tracked(&old[u.tensor][r.clone()], &new[u.tensor][r], width(u), ChangeKind::Xor, u.start)?;
@@ -189,6 +187,7 @@ pub fn diff_from(
                     .is_ok();
                 Ok((moved, keep.then_some(xor)))
             })
+            .into_iter()
             .collect::<Result<_>>()?;
         let mut sums: Vec<DigestSum> = old_d.iter().map(DigestSum::from_digest).collect();
         let mut kept = Vec::with_capacity(units.len());
@@ -228,14 +227,13 @@ pub fn diff_from(
     let mut done_bytes = 0u64;
     let mut seq = 0u32;
     for (k, group) in units.chunks(batch).enumerate() {
-        let group_kept: Vec<Option<codec::SparseChanges>> = match kept.get_mut(k * batch..k * batch + group.len()) {
+        let mut group_kept: Vec<Option<codec::SparseChanges>> = match kept.get_mut(k * batch..k * batch + group.len()) {
             Some(slots) => slots.iter_mut().map(Option::take).collect(),
             None => vec![None; group.len()],
         };
-        let encoded: Vec<Result<Option<codec::EncodedChunk>>> = group
-            .par_iter()
-            .zip(group_kept)
-            .map(|(u, xor)| {
+        let encoded: Vec<Result<Option<codec::EncodedChunk>>> =
+            crate::exec::map_mut(&mut group_kept, |i, kept_xor| {
+                let (u, xor) = (&group[i], kept_xor.take());
                 let w = width(u);
                 let range = byte_range(u);
                 if opts.dense {
@@ -257,8 +255,7 @@ pub fn diff_from(
                     return Ok(None);
                 }
                 Ok(Some(codec::encode_found(o, n, w, enc, model.as_ref(), xor)))
-            })
-            .collect();
+            });
         for (u, e) in group.iter().zip(encoded) {
             let w = layout.tensors()[u.tensor].dtype.word_bytes() as u64;
             done_bytes += u.len * w;
@@ -493,21 +490,19 @@ pub fn apply_from(delta: &Delta, layout: &Layout, targets: &mut [&mut [u8]], kno
     let mut order: Vec<(&ChunkFrame, std::ops::Range<usize>)> =
         delta.chunks.iter().map(|c| Ok((c, check_chunk(&delta.header, c)?))).collect::<Result<_>>()?;
     order.sort_by_key(|(c, _)| (c.tensor, c.start));
-    let decoded: Vec<DecodedChunk> = order
-        .par_iter()
-        .map(|(c, range)| decode_against(c, range, layout, &targets[c.tensor as usize][range.clone()]))
-        .collect::<Result<_>>()?;
+    let decoded: Vec<DecodedChunk> = crate::exec::map_range(order.len(), |i| {
+        let (c, range) = &order[i];
+        decode_against(c, range, layout, &targets[c.tensor as usize][range.clone()])
+    })
+    .into_iter()
+    .collect::<Result<_>>()?;
     let mut slices = split_targets(targets, &order);
-    let done: Vec<(Option<DecodedChunk>, DigestSum)> = slices
-        .par_iter_mut()
-        .zip(decoded.par_iter())
-        .zip(order.par_iter())
-        .map(|((slice, d), (c, _))| {
-            let undo = (c.kind == ChangeKind::Overwrite).then(|| d.capture(slice));
-            let moved = d.apply_tracked(slice, c.kind, c.start);
-            (undo, moved)
-        })
-        .collect();
+    let done: Vec<(Option<DecodedChunk>, DigestSum)> = crate::exec::map_mut(&mut slices, |i, slice| {
+        let (d, c) = (&decoded[i], order[i].0);
+        let undo = (c.kind == ChangeKind::Overwrite).then(|| d.capture(slice));
+        let moved = d.apply_tracked(slice, c.kind, c.start);
+        (undo, moved)
+    });
     drop(slices);
     let mut sums: Vec<DigestSum> = digests.iter().map(DigestSum::from_digest).collect();
     for ((c, _), (_, moved)) in order.iter().zip(&done) {
@@ -523,13 +518,11 @@ pub fn apply_from(delta: &Delta, layout: &Layout, targets: &mut [&mut [u8]], kno
         .collect();
     if !bad.is_empty() {
         let mut slices = split_targets(targets, &order);
-        slices.par_iter_mut().zip(decoded.par_iter()).zip(saved.par_iter()).zip(order.par_iter()).for_each(
-            |(((slice, d), undo), (c, _))| match (c.kind, undo) {
-                (ChangeKind::Xor, _) => d.apply(slice, ChangeKind::Xor),
-                (ChangeKind::Overwrite, Some(u)) => u.apply(slice, ChangeKind::Overwrite),
-                (ChangeKind::Overwrite, None) => unreachable!("overwrite chunks always capture"),
-            },
-        );
+        crate::exec::map_mut(&mut slices, |i, slice| match (order[i].0.kind, &saved[i]) {
+            (ChangeKind::Xor, _) => decoded[i].apply(slice, ChangeKind::Xor),
+            (ChangeKind::Overwrite, Some(u)) => u.apply(slice, ChangeKind::Overwrite),
+            (ChangeKind::Overwrite, None) => unreachable!("overwrite chunks always capture"),
+        });
         drop(slices);
         let restored = layout.tensor_digests(&targets.iter().map(|t| &**t).collect::<Vec<_>>());
         if restored != digests {
@@ -579,7 +572,7 @@ pub fn summarize(delta: &Delta, delta_bytes: u64) -> DeltaStats {
 /// (layout differences are reported as errors).
 pub fn compare(layout_a: &Layout, a: &[&[u8]], layout_b: &Layout, b: &[&[u8]]) -> Result<Vec<String>> {
     layout_a.ensure_same(layout_b, "second checkpoint")?;
-    let differs: Vec<bool> = a.par_iter().zip(b.par_iter()).map(|(x, y)| x != y).collect();
+    let differs: Vec<bool> = crate::exec::map_range(a.len().min(b.len()), |i| a[i] != b[i]);
     Ok(layout_a.tensors().iter().zip(differs).filter(|(_, d)| *d).map(|(t, _)| t.name.clone()).collect())
 }
 

@@ -25,7 +25,6 @@
 //! more changes collide with probability about 2^-128. Not a cryptographic
 //! hash: it guards against accidents, the transport authenticates peers.
 
-use rayon::prelude::*;
 
 /// 16 bytes: four little-endian 32-bit lane sums.
 pub type Digest = [u8; 16];
@@ -157,11 +156,12 @@ pub fn partial_digest(bytes: &[u8], word_bytes: usize, first_element: u64) -> Di
     if bytes.len() <= block {
         return sum_words(bytes, word_bytes, first_element);
     }
-    bytes
-        .par_chunks(block)
-        .enumerate()
-        .map(|(k, b)| sum_words(b, word_bytes, first_element + (k * block / word_bytes) as u64))
-        .reduce(|| DigestSum::ZERO, DigestSum::plus)
+    crate::exec::map_range(bytes.len().div_ceil(block), |k| {
+        let b = &bytes[k * block..bytes.len().min((k + 1) * block)];
+        sum_words(b, word_bytes, first_element + (k * block / word_bytes) as u64)
+    })
+    .into_iter()
+    .fold(DigestSum::ZERO, DigestSum::plus)
 }
 
 fn sum_words(bytes: &[u8], word_bytes: usize, first_element: u64) -> DigestSum {

@@ -16,6 +16,7 @@ pub mod delta;
 pub mod digest;
 pub mod dtype;
 pub mod error;
+pub mod exec;
 pub mod files;
 pub mod format;
 pub mod journal;

@@ -41,6 +41,18 @@ fn pool(threads: Option<usize>) -> PyResult<std::sync::Arc<rayon::ThreadPool>> {
     Ok(p)
 }
 
+/// Run `f` with the GIL released: on the calling thread alone when one
+/// thread is asked for (no hand-off to a pool thread; `f` must run its
+/// parallel loops through `dcr_core::exec`), else on a pool of `threads`
+/// (all cores when `None`).
+fn run_detached<R: Send>(py: Python<'_>, threads: Option<usize>, f: impl FnOnce() -> R + Send) -> PyResult<R> {
+    if threads == Some(1) {
+        return Ok(py.detach(|| dcr_core::exec::on_this_thread(f)));
+    }
+    let pool = pool(threads)?;
+    Ok(py.detach(|| pool.install(f)))
+}
+
 fn parse_kind(kind: &str) -> PyResult<ChangeKind> {
     match kind {
         "xor" => Ok(ChangeKind::Xor),
@@ -308,19 +320,15 @@ fn diff_buffers<'py>(
     check_spans(&old, false)?;
     check_spans(&new, false)?;
     let opts = DiffOptions { chunk_bytes, kind: parse_kind(kind)?, zstd_level, mode: parse_mode(mode)?, base_version, target_version, dense: false };
-    let pool = pool(threads)?;
     let (o, n) = (slices(&old), slices(&new));
     let o: Vec<&[u8]> = order.iter().map(|&i| o[i]).collect();
     let n: Vec<&[u8]> = order.iter().map(|&i| n[i]).collect();
-    let (bytes, stats) = py
-        .detach(|| {
-            pool.install(|| {
-                let mut out = Vec::new();
-                let s = delta::diff_from(&layout, &o, &n, known.as_deref(), &opts, &mut |b| { out.extend_from_slice(b); Ok(()) }, &mut |_, _| {})?;
-                Ok((out, s))
-            })
-        })
-        .map_err(to_py)?;
+    let (bytes, stats) = run_detached(py, threads, || {
+        let mut out = Vec::new();
+        let s = delta::diff_from(&layout, &o, &n, known.as_deref(), &opts, &mut |b| { out.extend_from_slice(b); Ok(()) }, &mut |_, _| {})?;
+        Ok((out, s))
+    })?
+    .map_err(to_py)?;
     Ok((PyBytes::new(py, &bytes), stats_dict(py, &stats)?))
 }
 
@@ -341,7 +349,6 @@ fn apply_buffers<'py>(
     let (layout, order) = layout_of(names, dtypes, shapes)?;
     let known = known_digests(base_digests, &order)?;
     check_spans(&targets, true)?;
-    let pool = pool(threads)?;
     let d = delta;
     let mut t = slices_mut(&targets);
     let mut sorted: Vec<&mut [u8]> = Vec::with_capacity(t.len());
@@ -349,8 +356,7 @@ fn apply_buffers<'py>(
     for &i in &order {
         sorted.push(slots[i].take().expect("each index once"));
     }
-    let outcome = py
-        .detach(|| pool.install(|| delta::apply_from(&delta::read_delta(d)?, &layout, &mut sorted, known.as_deref())))
+    let outcome = run_detached(py, threads, || delta::apply_from(&delta::read_delta(d)?, &layout, &mut sorted, known.as_deref()))?
         .map_err(to_py)?;
     outcome_dict(py, &outcome)
 }
