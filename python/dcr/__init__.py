@@ -96,6 +96,8 @@ def diff_tensors(
     core works; the tensors are read in place. ``base_digests``: the tensor
     digests of ``old`` when known (:func:`tensor_digests` of the last
     committed version): then only the change scan reads the unchanged bytes.
+    ``threads``: worker threads (default: every core); 1 works on the calling
+    thread itself, with no hand-off to a pool.
     """
     if set(old) != set(new):
         missing = sorted(set(old) ^ set(new))[:5]
@@ -136,6 +138,7 @@ def apply_tensors(delta: bytes, tensors: Mapping[str, Any], *, threads: int | No
     vouches for them (kept from its last verified version and nothing else
     wrote the tensors since): the base check then reads no tensor bytes and
     the target digests are verified from the words the delta writes.
+    ``threads`` as in :func:`diff_tensors`.
     """
     described = _buffers.describe(tensors, writable=True)
     names, dtypes, shapes, ptrs, _ = described
