@@ -4,7 +4,6 @@
 
 use std::collections::HashSet;
 
-
 use std::sync::atomic::Ordering;
 
 use crate::checkpoint::{digest_hex, digest_short, Digest, Layout};
@@ -177,18 +176,18 @@ pub fn diff_from(
         };
         let budget = std::sync::atomic::AtomicUsize::new(KEPT_CHANGES_BYTES);
         let found: Vec<(DigestSum, Option<codec::SparseChanges>)> = crate::exec::map_range(units.len(), |i| {
-                let u = &units[i];
-                let r = byte_range(u);
-                let (xor, moved) =
-                    codec::find_changes_tracked(&old[u.tensor][r.clone()], &new[u.tensor][r], width(u), ChangeKind::Xor, u.start)?;
-                let cost = xor.positions.len() * 12;
-                let keep = budget
-                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |left| left.checked_sub(cost))
-                    .is_ok();
-                Ok((moved, keep.then_some(xor)))
-            })
-            .into_iter()
-            .collect::<Result<_>>()?;
+            let u = &units[i];
+            let r = byte_range(u);
+            let (xor, moved) =
+                codec::find_changes_tracked(&old[u.tensor][r.clone()], &new[u.tensor][r], width(u), ChangeKind::Xor, u.start)?;
+            let cost = xor.positions.len() * 12;
+            let keep = budget
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |left| left.checked_sub(cost))
+                .is_ok();
+            Ok((moved, keep.then_some(xor)))
+        })
+        .into_iter()
+        .collect::<Result<_>>()?;
         let mut sums: Vec<DigestSum> = old_d.iter().map(DigestSum::from_digest).collect();
         let mut kept = Vec::with_capacity(units.len());
         for (u, (moved, xor)) in units.iter().zip(found) {
