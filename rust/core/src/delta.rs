@@ -633,6 +633,19 @@ fn parse_one(blob: &[u8], what: &str) -> Result<Frame> {
     }
 }
 
+/// The header at the front of a whole delta (preamble and header frame,
+/// checksum verified), without reading the chunks: a receiver checks layout
+/// and base before it decodes anything (which then validates the rest).
+pub fn read_header(bytes: &[u8]) -> Result<DeltaHeader> {
+    let pre = format::parse_preamble(bytes)?
+        .ok_or_else(|| Error::truncated("preamble", format::PREAMBLE_LEN as u64, bytes.len() as u64))?;
+    match format::parse_frame(&bytes[pre..])? {
+        Some((Frame::Header(h), _)) => Ok(h),
+        Some(_) => Err(Error::corrupt("delta", "the first frame is not a header")),
+        None => Err(Error::Incomplete { detail: "the delta ends inside the header".into() }),
+    }
+}
+
 /// The header of a transport's header blob (preamble + header frame).
 pub fn parse_header_blob(blob: &[u8]) -> Result<DeltaHeader> {
     let pre = format::parse_preamble(blob)?

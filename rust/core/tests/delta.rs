@@ -1,6 +1,6 @@
 use dcr_core::checkpoint::{Layout, TensorSpec};
 use dcr_core::codec::{ChangeKind, Mode};
-use dcr_core::delta::{apply, diff, read_delta, ApplyOutcome, DiffOptions};
+use dcr_core::delta::{apply, diff, read_delta, read_header, ApplyOutcome, DiffOptions};
 use dcr_core::dtype::DType;
 use dcr_core::Error;
 use proptest::prelude::*;
@@ -140,6 +140,29 @@ fn frame_len(b: &[u8]) -> usize {
 }
 fn header_len(b: &[u8]) -> usize {
     frame_len(&b[dcr_core::format::PREAMBLE_LEN..])
+}
+
+#[test]
+fn read_header_checks_the_header_frame_only() {
+    let specs = vec![TensorSpec { name: "w".into(), dtype: DType::from_name("BF16").unwrap(), shape: vec![64] }];
+    let layout = Layout::new(specs).unwrap();
+    let old = vec![vec![1u8; 128]];
+    let mut new = old.clone();
+    new[0][10] = 7;
+    let bytes = encode(&Pair { layout, old, new }, &DiffOptions::default());
+    let whole = read_delta(&bytes).unwrap().header;
+    assert_eq!(read_header(&bytes).unwrap(), whole);
+    // A corrupt chunk is left for the decode to refuse; the header still reads.
+    let h = dcr_core::format::PREAMBLE_LEN + header_len(&bytes);
+    let mut bad_chunk = bytes.clone();
+    bad_chunk[h + 12] ^= 0x40;
+    assert!(read_delta(&bad_chunk).is_err());
+    assert_eq!(read_header(&bad_chunk).unwrap(), whole);
+    // A corrupt or cut header is refused.
+    let mut bad_header = bytes.clone();
+    bad_header[dcr_core::format::PREAMBLE_LEN + 12] ^= 0x40;
+    assert!(matches!(read_header(&bad_header).unwrap_err(), Error::Checksum { .. }));
+    assert!(read_header(&bytes[..h - 1]).is_err());
 }
 
 #[test]

@@ -565,24 +565,12 @@ fn header_dict<'py>(py: Python<'py>, header: &dcr_core::format::DeltaHeader) -> 
     Ok(h)
 }
 
-/// Parse and validate a delta (every frame's checksum and place) without
-/// decoding any chunk: its header, as `decode_delta` gives it.
+/// The header of a delta, as `decode_delta` gives it, read from its
+/// preamble and header frame alone (checksum verified): to check layout and
+/// base before decoding. The chunks are validated when decoded.
 #[pyfunction]
 fn delta_header<'py>(py: Python<'py>, delta: &[u8]) -> PyResult<Bound<'py, PyDict>> {
-    header_dict(py, &read_checked(py, delta)?.header)
-}
-
-/// Parse a delta and check every chunk's place in its tensor, without the
-/// GIL.
-fn read_checked(py: Python<'_>, delta: &[u8]) -> PyResult<delta::Delta> {
-    py.detach(|| -> dcr_core::Result<_> {
-        let d = delta::read_delta(delta)?;
-        for c in &d.chunks {
-            delta::check_chunk(&d.header, c)?;
-        }
-        Ok(d)
-    })
-    .map_err(to_py)
+    header_dict(py, &delta::read_header(delta).map_err(to_py)?)
 }
 
 /// Parse, validate and decode a whole delta: its header and, per chunk,
@@ -601,7 +589,8 @@ fn decode_delta<'py>(
     delta: &[u8],
     base: Option<Bound<'py, PyAny>>,
 ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
-    let parsed = read_checked(py, delta)?;
+    // Every frame's checksum and every chunk's place, without the GIL.
+    let parsed = py.detach(|| delta::read_delta(delta)).map_err(to_py)?;
     let tensors = parsed.header.layout.tensors();
     // The canonical base of each tensor with context-coded chunks.
     let mut spans: HashMap<usize, Span> = HashMap::new();
