@@ -150,6 +150,14 @@ class FusedAttention(torch.nn.Module):
                 self.norm.copy_(sd[prefix + "norm"])
 
 
+def fused_module(v0: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module holding a FusedAttention, loaded with `v0` through its loader."""
+    m = torch.nn.Module()
+    m.attn = FusedAttention()
+    m.load_state_dict(v0, strict=False)
+    return m
+
+
 def fused_checkpoint(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
@@ -163,10 +171,8 @@ def fused_checkpoint(seed: int) -> dict[str, torch.Tensor]:
 
 
 def test_fused_sliced_replicated_loader_bit_exact() -> None:
-    m = torch.nn.Module()
-    m.attn = FusedAttention()
     v0 = fused_checkpoint(0)
-    m.load_state_dict(v0, strict=False)
+    m = fused_module(v0)
     dense = copy.deepcopy(m)
     rope = m.attn.rope.clone()
     recv = module_receiver(m, v0)
@@ -297,10 +303,8 @@ def test_learn_placement_without_restore_reports_layout() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_module_mapped_apply() -> None:
-    m = torch.nn.Module()
-    m.attn = FusedAttention()
     v0 = fused_checkpoint(0)
-    m.load_state_dict(v0, strict=False)
+    m = fused_module(v0)
     m.cuda()
     dense = copy.deepcopy(m)
     recv = module_receiver(m, v0)
@@ -432,10 +436,8 @@ def nudge(sd: dict[str, torch.Tensor], seed: int, rate: float = 0.05) -> dict[st
 def test_context_deltas_apply_through_the_loader_bit_exact() -> None:
     # mapped tensors (fused, sliced, replicated, transposed) and transforming
     # ones (FP8 quantizing loader, rebuilt from the shadow)
-    m = torch.nn.Module()
-    m.attn = FusedAttention()
     v0 = fused_checkpoint(0)
-    m.load_state_dict(v0, strict=False)
+    m = fused_module(v0)
     dense = copy.deepcopy(m)
     recv = module_receiver(m, v0)
     f = fp8_model()

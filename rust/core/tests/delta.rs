@@ -97,14 +97,19 @@ proptest! {
     }
 }
 
-#[test]
-fn wrong_base_is_refused_before_any_write() {
+/// One bf16 tensor of 64 elements, all bytes 1, one byte changed.
+fn one_change() -> Pair {
     let specs = vec![TensorSpec { name: "w".into(), dtype: DType::from_name("BF16").unwrap(), shape: vec![64] }];
-    let layout = Layout::new(specs).unwrap();
     let old = vec![vec![1u8; 128]];
     let mut new = old.clone();
     new[0][10] = 7;
-    let p = Pair { layout: layout.clone(), old: old.clone(), new };
+    Pair { layout: Layout::new(specs).unwrap(), old, new }
+}
+
+#[test]
+fn wrong_base_is_refused_before_any_write() {
+    let p = one_change();
+    let layout = p.layout.clone();
     let bytes = encode(&p, &DiffOptions::default());
     let mut other = vec![vec![2u8; 128]];
     let err = apply_to(&bytes, &layout, &mut other).unwrap_err();
@@ -144,12 +149,7 @@ fn header_len(b: &[u8]) -> usize {
 
 #[test]
 fn read_header_checks_the_header_frame_only() {
-    let specs = vec![TensorSpec { name: "w".into(), dtype: DType::from_name("BF16").unwrap(), shape: vec![64] }];
-    let layout = Layout::new(specs).unwrap();
-    let old = vec![vec![1u8; 128]];
-    let mut new = old.clone();
-    new[0][10] = 7;
-    let bytes = encode(&Pair { layout, old, new }, &DiffOptions::default());
+    let bytes = encode(&one_change(), &DiffOptions::default());
     let whole = read_delta(&bytes).unwrap().header;
     assert_eq!(read_header(&bytes).unwrap(), whole);
     // A corrupt chunk is left for the decode to refuse; the header still reads.
