@@ -128,7 +128,7 @@ def describe(tensors: Mapping[str, Any], *, writable: bool = False) -> Described
     for name, x in tensors.items():
         if tensor_type is not None and isinstance(x, tensor_type) and x.is_cpu and x.is_contiguous() \
                 and not (writable and x.requires_grad):
-            dtype = _TORCH_DTYPES.get(x.dtype) or _torch_dtype_name(x.dtype)
+            dtype = _torch_dtype_name(x.dtype)
             if dtype is not None:
                 names.append(name)
                 dtypes.append(dtype)

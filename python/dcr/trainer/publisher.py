@@ -498,9 +498,11 @@ class ShardedPublisher:
         returns rank 0's frames in order (empty elsewhere), the next sequence
         number and the round's changed elements. Chunks this rank holds
         whole (context mode) are encoded here; their changes stay."""
-        whole = self.is_whole[gid]
-        mine, mine_gid = rec[whole], gid[whole]
-        rec, gid = rec[~whole], gid[~whole]
+        mine, mine_gid = rec[:0], gid[:0]
+        if self.whole_chunks:  # context mode: split off the chunks this rank holds whole
+            whole = self.is_whole[gid]
+            mine, mine_gid = rec[whole], gid[whole]
+            rec, gid = rec[~whole], gid[~whole]
         owner = gid % self.world
         order = np.argsort(owner, kind="stable")
         rec, owner = rec[order], owner[order]
