@@ -335,10 +335,14 @@ impl DigestMoves {
     }
 
     /// A block of changed words of at most 4 bytes, at elements
-    /// `first_element + offsets[k]`, given as their old and new words.
+    /// `first_element + offsets[k]` (offsets ascending, as every change list
+    /// is), given as their old and new words.
     pub fn words_at(&mut self, first_element: u64, offsets: &[u32], old: &[u32], new: &[u32]) {
         debug_assert!(self.word_bytes <= 4 && offsets.len() == old.len() && old.len() == new.len());
-        let last = offsets.iter().copied().max().map_or(0, u64::from);
+        debug_assert!(offsets.is_sorted(), "change offsets ascend");
+        // Ascending, so the last offset is the largest: whether every unit
+        // index stays below 2^32 (the vector kernels' range) is one compare.
+        let last = offsets.last().copied().map_or(0, u64::from);
         let mut done = 0;
         if first_element + last < 1 << 32 {
             let moved;
@@ -348,6 +352,11 @@ impl DigestMoves {
         for k in done..offsets.len() {
             self.unit(first_element + u64::from(offsets[k]), old[k], new[k]);
         }
+    }
+
+    /// Add a move already summed (by a kernel that hashes as it loads).
+    pub fn add(&mut self, moved: DigestSum) {
+        self.sum = self.sum.plus(moved);
     }
 
     /// The digest's total move.
@@ -452,7 +461,7 @@ mod avx2 {
 
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
-mod avx512 {
+pub(crate) mod avx512 {
     //! AVX-512 kernels: sixteen 32-bit lanes per instruction (same sums as
     //! the AVX2 and portable ones).
     use super::{high_keys, DigestSum, INDEX_MUL, LANES, LOW_KEYS};
@@ -508,11 +517,40 @@ mod avx512 {
         sums.plus(super::sum_run_portable(&bytes[full * unit_bytes..], unit_bytes, first_unit + full as u64))
     }
 
+    /// Lane sums of digest moves being accumulated in vector registers.
+    pub(crate) type MoveAcc = [__m512i; LANES];
+
+    pub(crate) const fn zero_moves() -> MoveAcc {
+        // Safety: an all-zero bit pattern is a valid __m512i.
+        unsafe { std::mem::zeroed() }
+    }
+
+    /// Add `h(i, new) - h(i, old)` of sixteen units (unit indices `vi`, all
+    /// below 2^32) to `acc`. A lane whose old and new units are equal adds
+    /// nothing, so masked-off lanes are passed as zeros.
+    #[inline(always)]
+    pub(crate) unsafe fn add_moves(acc: &mut MoveAcc, vi: __m512i, vo: __m512i, vn: __m512i) {
+        for l in 0..LANES {
+            let k = _mm512_add_epi32(
+                _mm512_mullo_epi32(vi, _mm512_set1_epi32(INDEX_MUL[l] as i32)),
+                _mm512_set1_epi32(LOW_KEYS[l] as i32),
+            );
+            let d = _mm512_sub_epi32(fmix(_mm512_xor_si512(vn, k)), fmix(_mm512_xor_si512(vo, k)));
+            acc[l] = _mm512_add_epi32(acc[l], d);
+        }
+    }
+
+    /// The digest move held in `acc`.
+    #[inline(always)]
+    pub(crate) unsafe fn moves_sum(acc: &MoveAcc) -> DigestSum {
+        DigestSum(std::array::from_fn(|l| _mm512_reduce_add_epi32(acc[l]) as u32))
+    }
+
     /// `sum h(i, new) - h(i, old)` at unit indices `i = first + offsets[k]`
     /// (all below 2^32; equal lengths, a multiple of 16).
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn moved_at(first: u32, offsets: &[u32], old: &[u32], new: &[u32]) -> DigestSum {
-        let mut acc = [_mm512_setzero_si512(); LANES];
+        let mut acc = zero_moves();
         let n = offsets.len().min(old.len()).min(new.len()) / 16 * 16;
         let base = _mm512_set1_epi32(first as i32);
         let mut i = 0;
@@ -520,17 +558,10 @@ mod avx512 {
             let vi = _mm512_add_epi32(base, _mm512_loadu_si512(offsets.as_ptr().add(i).cast()));
             let vo = _mm512_loadu_si512(old.as_ptr().add(i).cast());
             let vn = _mm512_loadu_si512(new.as_ptr().add(i).cast());
-            for l in 0..LANES {
-                let k = _mm512_add_epi32(
-                    _mm512_mullo_epi32(vi, _mm512_set1_epi32(INDEX_MUL[l] as i32)),
-                    _mm512_set1_epi32(LOW_KEYS[l] as i32),
-                );
-                let d = _mm512_sub_epi32(fmix(_mm512_xor_si512(vn, k)), fmix(_mm512_xor_si512(vo, k)));
-                acc[l] = _mm512_add_epi32(acc[l], d);
-            }
+            add_moves(&mut acc, vi, vo, vn);
             i += 16;
         }
-        DigestSum(std::array::from_fn(|l| _mm512_reduce_add_epi32(acc[l]) as u32))
+        moves_sum(&acc)
     }
 }
 

@@ -18,6 +18,8 @@ pub mod range;
 mod scan;
 pub mod streams;
 #[cfg(target_arch = "x86_64")]
+mod gather_x86;
+#[cfg(target_arch = "x86_64")]
 mod x86;
 
 use crate::digest::{DigestMoves, DigestSum};
@@ -560,22 +562,52 @@ fn apply_sparse<T: Word>(
         }
         return moves.finish();
     }
-    // Words of at most 4 bytes: blocks of old and new words, hashed together.
-    const BLOCK: usize = 64;
+    // Words of at most 4 bytes, a block at a time: the block's value words
+    // are assembled from the planes first (a loop the compiler vectorizes),
+    // then written one by one, and the old and new words are hashed together.
+    const BLOCK: usize = 256;
     let mut old_words = [0u32; BLOCK];
     let mut new_words = [0u32; BLOCK];
     for (b, block) in positions.chunks(BLOCK).enumerate() {
-        for (k, &p) in block.iter().enumerate() {
-            let i = b * BLOCK + k;
-            prefetch_ahead(i);
-            let word = &mut target[p as usize * w..][..w];
-            let old = T::load(word);
-            let new = if xor { old ^ value_at(i) } else { value_at(i) };
-            T::store(word, new);
-            old_words[k] = old as u32;
-            new_words[k] = new as u32;
+        let start = b * BLOCK;
+        let len = block.len();
+        let values = &mut new_words[..len];
+        values.fill(0);
+        for (j, lane) in lanes.iter().enumerate().take(w) {
+            for (v, &byte) in values.iter_mut().zip(&lane[start..start + len]) {
+                *v |= u32::from(byte) << (8 * j);
+            }
         }
-        moves.words_at(first_element, block, &old_words[..block.len()], &new_words[..block.len()]);
+        #[cfg(target_arch = "x86_64")]
+        if gather_x86::available() && gather_x86::fits(block, w, target.len(), first_element) {
+            // Safety: the CPU has AVX-512 F and the block fits the kernel's
+            // loads and lanes (both checked just above); `w` is 1, 2 or 4
+            // (`fits`) and `values` is as long as the block.
+            #[allow(unsafe_code)]
+            let moved = unsafe {
+                match w {
+                    1 => gather_x86::apply_block::<1>(target, block, values, xor, first_element as u32),
+                    2 => gather_x86::apply_block::<2>(target, block, values, xor, first_element as u32),
+                    _ => gather_x86::apply_block::<4>(target, block, values, xor, first_element as u32),
+                }
+            };
+            moves.add(moved);
+            continue;
+        }
+        let ahead = positions.get(start + PREFETCH_AHEAD..).unwrap_or_default();
+        for (k, &p) in block.iter().enumerate() {
+            if let Some(&a) = ahead.get(k) {
+                prefetch(base.wrapping_add(a as usize * w));
+            }
+            let at = p as usize * w;
+            let word = &mut target[at..at + w];
+            let old = T::load(word) as u32;
+            let new = if xor { old ^ new_words[k] } else { new_words[k] };
+            T::store(word, u64::from(new));
+            old_words[k] = old;
+            new_words[k] = new;
+        }
+        moves.words_at(first_element, block, &old_words[..len], &new_words[..len]);
     }
     moves.finish()
 }

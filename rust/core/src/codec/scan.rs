@@ -83,40 +83,79 @@ fn gather<T: Word>(
     values: &mut Vec<u64>,
     moves: &mut DigestMoves,
 ) {
-    const BLOCK: usize = 64;
+    const BLOCK: usize = 256;
     let w = T::BYTES;
     let overwrite = kind == ChangeKind::Overwrite;
     let start = values.len();
     values.resize(start + positions.len(), 0);
     let out = &mut values[start..];
+    for (block, out) in positions.chunks(BLOCK).zip(out.chunks_mut(BLOCK)) {
+        #[cfg(target_arch = "x86_64")]
+        if super::gather_x86::available() && super::gather_x86::fits(block, w, old.len(), tracked_from.unwrap_or(0)) {
+            use super::gather_x86::gather_block;
+            let first = tracked_from.unwrap_or(0) as u32;
+            // Safety: the CPU has AVX-512 F and the block fits the kernel's
+            // loads and lanes (both checked just above); `w` is 1, 2 or 4
+            // (`fits`), `old` and `new` have equal lengths (checked by
+            // `find`) and `out` is the block's part of the values.
+            #[allow(unsafe_code)]
+            let moved = unsafe {
+                match (w, tracked_from.is_some()) {
+                    (1, true) => gather_block::<1, true>(old, new, block, overwrite, first, out),
+                    (2, true) => gather_block::<2, true>(old, new, block, overwrite, first, out),
+                    (_, true) => gather_block::<4, true>(old, new, block, overwrite, first, out),
+                    (1, false) => gather_block::<1, false>(old, new, block, overwrite, first, out),
+                    (2, false) => gather_block::<2, false>(old, new, block, overwrite, first, out),
+                    (_, false) => gather_block::<4, false>(old, new, block, overwrite, first, out),
+                }
+            };
+            moves.add(moved);
+            continue;
+        }
+        gather_scalar::<T>(old, new, block, overwrite, tracked_from, out, moves);
+    }
+}
+
+/// `gather` for one block, word by word (the reference of the AVX-512
+/// kernel, and what runs where it does not).
+fn gather_scalar<T: Word>(
+    old: &[u8],
+    new: &[u8],
+    block: &[u32],
+    overwrite: bool,
+    tracked_from: Option<u64>,
+    out: &mut [u64],
+    moves: &mut DigestMoves,
+) {
+    const BLOCK: usize = 256;
+    let w = T::BYTES;
     let Some(first) = tracked_from else {
-        for (v, &p) in out.iter_mut().zip(positions) {
+        for (v, &p) in out.iter_mut().zip(block) {
             let at = p as usize * w;
             let (x, y) = (T::load(&old[at..at + w]), T::load(&new[at..at + w]));
             *v = if overwrite { y } else { x ^ y };
         }
         return;
     };
-    let mut old_units = [0u32; BLOCK];
-    let mut new_units = [0u32; BLOCK];
-    for (block, out) in positions.chunks(BLOCK).zip(out.chunks_mut(BLOCK)) {
-        if w == 8 {
-            for (v, &p) in out.iter_mut().zip(block) {
-                let at = p as usize * w;
-                let (x, y) = (T::load(&old[at..at + w]), T::load(&new[at..at + w]));
-                *v = if overwrite { y } else { x ^ y };
-                moves.word(first + u64::from(p), x, y);
-            }
-            continue;
-        }
-        for (k, (v, &p)) in out.iter_mut().zip(block).enumerate() {
+    if w == 8 {
+        for (v, &p) in out.iter_mut().zip(block) {
             let at = p as usize * w;
             let (x, y) = (T::load(&old[at..at + w]), T::load(&new[at..at + w]));
             *v = if overwrite { y } else { x ^ y };
-            (old_units[k], new_units[k]) = (x as u32, y as u32);
+            moves.word(first + u64::from(p), x, y);
         }
-        moves.words_at(first, block, &old_units[..block.len()], &new_units[..block.len()]);
+        return;
     }
+    debug_assert!(block.len() <= BLOCK);
+    let mut old_units = [0u32; BLOCK];
+    let mut new_units = [0u32; BLOCK];
+    for (k, (v, &p)) in out.iter_mut().zip(block).enumerate() {
+        let at = p as usize * w;
+        let (x, y) = (T::load(&old[at..at + w]), T::load(&new[at..at + w]));
+        *v = if overwrite { y } else { x ^ y };
+        (old_units[k], new_units[k]) = (x as u32, y as u32);
+    }
+    moves.words_at(first, block, &old_units[..block.len()], &new_units[..block.len()]);
 }
 
 #[cfg(target_arch = "x86_64")]
