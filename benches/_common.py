@@ -23,6 +23,19 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo; "unknown" elsewhere): speeds
+    and the ratios against zstd move with it, so every result records it."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def data_dir() -> Path:
     """The checkpoint data: ``$DCR_DATA`` if set, else ``<repo>/../shared/data``."""
     env = os.environ.get("DCR_DATA")

@@ -608,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else argv)),
         "machine": {
             "platform": platform.platform(),
+            "cpu_model": C.cpu_model(),
             "cpu_count": os.cpu_count(),
             "python": platform.python_version(),
             "numpy": np.__version__,

@@ -19,20 +19,41 @@ use std::sync::OnceLock;
 use crate::digest::avx512::{add_moves, moves_sum, zero_moves};
 use crate::digest::DigestSum;
 
-/// Whether this CPU runs the gather kernels (AVX-512 F).
+/// Whether this CPU runs the gather kernels (AVX-512 F, BW and VL).
 pub(super) fn available() -> bool {
     static AVAILABLE: OnceLock<bool> = OnceLock::new();
-    *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx512f"))
+    *AVAILABLE.get_or_init(|| {
+        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl")
+    })
 }
 
-/// Whether a block of ascending `positions` in a slice of `len` bytes of
-/// `width`-byte words, the first at element `first_element` of its tensor,
-/// can go through the kernels: each lane's 4-byte load ends inside the
-/// slice, positions are valid signed 32-bit gather indices, and the unit
-/// indices `first_element + position` stay below 2^32.
+/// Whether a block of `positions` in a slice of `len` bytes of `width`-byte
+/// words, the first at element `first_element` of its tensor, can go
+/// through the kernels: each lane's 4-byte load ends inside the slice,
+/// positions are valid signed 32-bit gather indices, and the unit indices
+/// `first_element + position` stay below 2^32. Checked on the block's
+/// largest position, whatever their order (a few vector instructions per
+/// block), since the kernels' loads rely on it.
 pub(super) fn fits(positions: &[u32], width: usize, len: usize, first_element: u64) -> bool {
-    let Some(&last) = positions.last() else { return false };
-    width <= 4 && (last as usize) * width + 4 <= len && last < 1 << 31 && first_element + u64::from(last) < 1 << 32
+    if positions.is_empty() || width > 4 || !available() {
+        return false;
+    }
+    // Safety: the CPU has AVX-512 F (`available`, just above).
+    let last = unsafe { largest(positions) };
+    (last as usize) * width + 4 <= len && last < 1 << 31 && first_element + u64::from(last) < 1 << 32
+}
+
+/// The largest of `positions` (0 when empty).
+#[target_feature(enable = "avx512f")]
+unsafe fn largest(positions: &[u32]) -> u32 {
+    let mut acc = _mm512_setzero_si512();
+    let mut i = 0;
+    while i < positions.len() {
+        let m = lanes(positions.len() - i);
+        acc = _mm512_max_epu32(acc, _mm512_maskz_loadu_epi32(m, positions.as_ptr().add(i).cast()));
+        i += 16;
+    }
+    _mm512_reduce_max_epu32(acc)
 }
 
 /// How many changes ahead the apply prefetches the words it will load.
@@ -60,48 +81,56 @@ unsafe fn gather_words<const W: i32>(base: *const u8, m: __mmask16, vp: __m512i)
     }
 }
 
-/// Apply one block of changes to `target` (the chunk's bytes), `first` being
-/// the chunk's first element in its tensor. On entry `values[k]` is the
-/// value word of the change at `positions[k]` (an XOR mask, or the new bits
-/// when `xor` is false); it is replaced by the word written. Returns the
-/// digest move.
+/// Apply a chunk's sparse changes to `target` (the chunk's bytes), `first`
+/// being the chunk's first element in its tensor: the change at
+/// `positions[k]` has the value word (an XOR mask, or the new bits when
+/// `xor` is false) whose byte `j` is `planes[j][k]`. Returns the digest
+/// move. The words are gathered and hashed sixteen at a time and stored
+/// one by one (a 32-bit scatter would also write the neighbouring words,
+/// which may belong to a chunk another thread is writing).
 ///
 /// # Safety
-/// The CPU has AVX-512 F (`available`), `W` is 1, 2 or 4, `values` is as
-/// long as `positions`, and `fits(positions, W, target.len(), first)`.
-#[target_feature(enable = "avx512f")]
-pub(super) unsafe fn apply_block<const W: i32>(
+/// `fits(positions, W, target.len(), first)`, and `W` is 1, 2 or 4.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub(super) unsafe fn apply_sparse<const W: i32>(
     target: &mut [u8],
     positions: &[u32],
-    values: &mut [u32],
+    planes: &[&[u8]],
     xor: bool,
     first: u32,
 ) -> DigestSum {
-    debug_assert!(fits(positions, W as usize, target.len(), u64::from(first)) && values.len() == positions.len());
+    let w = W as usize;
+    debug_assert!(fits(positions, w, target.len(), u64::from(first)));
     let n = positions.len();
+    assert!(planes.len() >= w && planes[..w].iter().all(|p| p.len() == n), "one byte per position in each of the {w} planes");
     let base = target.as_ptr();
     let vfirst = _mm512_set1_epi32(first as i32);
     let mut acc = zero_moves();
+    let mut written = [0u32; 16];
     let mut i = 0;
     while i < n {
         // The positions are irregular, which the hardware prefetcher does
         // not follow: ask for the words a few steps ahead.
         for &p in positions.get(i + PREFETCH_AHEAD..).unwrap_or_default().iter().take(16) {
-            _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(p as usize * W as usize).cast());
+            _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(p as usize * w).cast());
         }
         let m = lanes(n - i);
         let vp = _mm512_maskz_loadu_epi32(m, positions.as_ptr().add(i).cast());
         let vo = gather_words::<W>(base, m, vp);
-        let vv = _mm512_maskz_loadu_epi32(m, values.as_ptr().add(i).cast());
+        let mut vv = _mm512_setzero_si512();
+        for (j, plane) in planes[..w].iter().enumerate() {
+            let bytes = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, plane.as_ptr().add(i).cast()));
+            vv = _mm512_or_si512(vv, _mm512_sllv_epi32(bytes, _mm512_set1_epi32(8 * j as i32)));
+        }
         let vn = if xor { _mm512_xor_si512(vo, vv) } else { vv };
-        _mm512_mask_storeu_epi32(values.as_mut_ptr().add(i).cast(), m, vn);
         add_moves(&mut acc, _mm512_add_epi32(vfirst, vp), vo, vn);
+        _mm512_storeu_si512(written.as_mut_ptr().cast(), vn);
+        let group = &positions[i..(i + 16).min(n)];
+        for (&p, v) in group.iter().zip(written) {
+            let at = p as usize * w;
+            target[at..at + w].copy_from_slice(&v.to_le_bytes()[..w]);
+        }
         i += 16;
-    }
-    let w = W as usize;
-    for (&p, &v) in positions.iter().zip(values.iter()) {
-        let at = p as usize * w;
-        target[at..at + w].copy_from_slice(&v.to_le_bytes()[..w]);
     }
     moves_sum(&acc)
 }
@@ -112,10 +141,8 @@ pub(super) unsafe fn apply_block<const W: i32>(
 /// first element in its tensor).
 ///
 /// # Safety
-/// The CPU has AVX-512 F (`available`), `W` is 1, 2 or 4, `old` and `new`
-/// have equal lengths, `out` is as long as `positions`, and
-/// `fits(positions, W, old.len(), first)`.
-#[target_feature(enable = "avx512f")]
+/// `fits(positions, W, old.len(), first)`, and `W` is 1, 2 or 4.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 pub(super) unsafe fn gather_block<const W: i32, const TRACK: bool>(
     old: &[u8],
     new: &[u8],
@@ -124,8 +151,8 @@ pub(super) unsafe fn gather_block<const W: i32, const TRACK: bool>(
     first: u32,
     out: &mut [u64],
 ) -> DigestSum {
-    debug_assert!(fits(positions, W as usize, old.len(), u64::from(first)) && old.len() == new.len());
-    debug_assert!(out.len() == positions.len());
+    debug_assert!(fits(positions, W as usize, old.len(), u64::from(first)));
+    assert!(old.len() == new.len() && out.len() == positions.len(), "old and new of one length, one output per position");
     let n = positions.len();
     let vfirst = _mm512_set1_epi32(first as i32);
     let mut acc = zero_moves();
@@ -175,6 +202,22 @@ mod tests {
     }
 
     #[test]
+    fn fits_looks_at_the_largest_position() {
+        if !available() {
+            return;
+        }
+        // 100 words of 2 bytes: a load at word 98 ends at byte 200, at 99 past it.
+        assert!(fits(&[3, 50, 98], 2, 200, 0));
+        assert!(!fits(&[3, 50, 99], 2, 200, 0));
+        assert!(!fits(&[99, 3, 50], 2, 200, 0), "the largest position decides, wherever it is");
+        assert!(!fits(&(0..40).map(|i| if i == 17 { 99 } else { i }).collect::<Vec<u32>>(), 2, 200, 0));
+        assert!(!fits(&[], 2, 200, 0));
+        assert!(!fits(&[1], 8, 200, 0), "8-byte words take the scalar loop");
+        assert!(!fits(&[5], 2, 200, (1 << 32) - 5), "unit indices must stay below 2^32");
+        assert!(fits(&[5], 2, 200, (1 << 32) - 6));
+    }
+
+    #[test]
     fn kernels_match_word_by_word() {
         if !available() {
             return; // nothing of this module runs on this CPU
@@ -202,12 +245,14 @@ mod tests {
                         want[p as usize * w..][..w].copy_from_slice(&nw.to_le_bytes()[..w]);
                         want_moves.word(first + u64::from(p), u64::from(o), u64::from(nw));
                     }
-                    let (mut got, mut got_vals) = (old[..len].to_vec(), vals.clone());
+                    let planes: Vec<Vec<u8>> = (0..w).map(|j| vals.iter().map(|v| (v >> (8 * j)) as u8).collect()).collect();
+                    let planes: Vec<&[u8]> = planes.iter().map(|p| &p[..]).collect();
+                    let mut got = old[..len].to_vec();
                     let moved = unsafe {
                         match w {
-                            1 => apply_block::<1>(&mut got, &pos, &mut got_vals, xor, first as u32),
-                            2 => apply_block::<2>(&mut got, &pos, &mut got_vals, xor, first as u32),
-                            _ => apply_block::<4>(&mut got, &pos, &mut got_vals, xor, first as u32),
+                            1 => apply_sparse::<1>(&mut got, &pos, &planes, xor, first as u32),
+                            2 => apply_sparse::<2>(&mut got, &pos, &planes, xor, first as u32),
+                            _ => apply_sparse::<4>(&mut got, &pos, &planes, xor, first as u32),
                         }
                     };
                     assert_eq!(got, want, "apply: w {w} n {n} xor {xor}");

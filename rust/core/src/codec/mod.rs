@@ -562,9 +562,40 @@ fn apply_sparse<T: Word>(
         }
         return moves.finish();
     }
-    // Words of at most 4 bytes, a block at a time: the block's value words
-    // are assembled from the planes first (a loop the compiler vectorizes),
-    // then written one by one, and the old and new words are hashed together.
+    // Words of at most 4 bytes: gathered, hashed and written sixteen at a
+    // time where the CPU has AVX-512 and every load stays in the chunk.
+    // The last few positions of a chunk (a 4-byte load there would leave
+    // it) are written word by word.
+    #[cfg(target_arch = "x86_64")]
+    {
+        let cut = positions.partition_point(|&p| p as usize * w + 4 <= target.len());
+        let (head, planes) = (&positions[..cut], lanes.map(|l| &l[..cut.min(l.len())]));
+        if gather_x86::fits(head, w, target.len(), first_element) {
+            // Safety: `fits` (just above) checked that the CPU has the
+            // kernel's features, that `w` is 1, 2 or 4 and that every load
+            // and lane fits.
+            #[allow(unsafe_code)]
+            let moved = unsafe {
+                match w {
+                    1 => gather_x86::apply_sparse::<1>(target, head, &planes, xor, first_element as u32),
+                    2 => gather_x86::apply_sparse::<2>(target, head, &planes, xor, first_element as u32),
+                    _ => gather_x86::apply_sparse::<4>(target, head, &planes, xor, first_element as u32),
+                }
+            };
+            moves.add(moved);
+            for (i, &p) in positions.iter().enumerate().skip(cut) {
+                let word = &mut target[p as usize * w..][..w];
+                let old = T::load(word);
+                let new = if xor { old ^ value_at(i) } else { value_at(i) };
+                T::store(word, new);
+                moves.word(first_element + u64::from(p), old, new);
+            }
+            return moves.finish();
+        }
+    }
+    // Else a block at a time: the block's value words are assembled from
+    // the planes first (a loop the compiler vectorizes), then written one by
+    // one, and the old and new words are hashed together.
     const BLOCK: usize = 256;
     let mut old_words = [0u32; BLOCK];
     let mut new_words = [0u32; BLOCK];
@@ -577,22 +608,6 @@ fn apply_sparse<T: Word>(
             for (v, &byte) in values.iter_mut().zip(&lane[start..start + len]) {
                 *v |= u32::from(byte) << (8 * j);
             }
-        }
-        #[cfg(target_arch = "x86_64")]
-        if gather_x86::available() && gather_x86::fits(block, w, target.len(), first_element) {
-            // Safety: the CPU has AVX-512 F and the block fits the kernel's
-            // loads and lanes (both checked just above); `w` is 1, 2 or 4
-            // (`fits`) and `values` is as long as the block.
-            #[allow(unsafe_code)]
-            let moved = unsafe {
-                match w {
-                    1 => gather_x86::apply_block::<1>(target, block, values, xor, first_element as u32),
-                    2 => gather_x86::apply_block::<2>(target, block, values, xor, first_element as u32),
-                    _ => gather_x86::apply_block::<4>(target, block, values, xor, first_element as u32),
-                }
-            };
-            moves.add(moved);
-            continue;
         }
         let ahead = positions.get(start + PREFETCH_AHEAD..).unwrap_or_default();
         for (k, &p) in block.iter().enumerate() {

@@ -91,13 +91,11 @@ fn gather<T: Word>(
     let out = &mut values[start..];
     for (block, out) in positions.chunks(BLOCK).zip(out.chunks_mut(BLOCK)) {
         #[cfg(target_arch = "x86_64")]
-        if super::gather_x86::available() && super::gather_x86::fits(block, w, old.len(), tracked_from.unwrap_or(0)) {
+        if super::gather_x86::fits(block, w, old.len(), tracked_from.unwrap_or(0)) {
             use super::gather_x86::gather_block;
             let first = tracked_from.unwrap_or(0) as u32;
-            // Safety: the CPU has AVX-512 F and the block fits the kernel's
-            // loads and lanes (both checked just above); `w` is 1, 2 or 4
-            // (`fits`), `old` and `new` have equal lengths (checked by
-            // `find`) and `out` is the block's part of the values.
+            // Safety: `fits` (just above) checked that the CPU has AVX-512 F,
+            // that `w` is 1, 2 or 4 and that the block's loads and lanes fit.
             #[allow(unsafe_code)]
             let moved = unsafe {
                 match (w, tracked_from.is_some()) {
