@@ -1,15 +1,16 @@
-//! AVX-512 kernels for the words at a block of change positions, used by
-//! the sparse apply and by the encoder's gather for words of 1, 2 or 4
-//! bytes. Sixteen positions per step: one `vpgatherdd` loads their words
+//! AVX-512 kernels for the words at change positions, used by the sparse
+//! apply (a chunk at a time) and by the encoder's gather (a block at a
+//! time) for words of 1, 2 or 4 bytes. Sixteen positions per step: one `vpgatherdd` loads their words
 //! (each lane reads 4 bytes at the word's offset and keeps the word's own
 //! bytes), and the digest move `h(i, new) - h(i, old)` is added in the same
 //! registers, so no per-change arrays of old and new words are written and
 //! read back for the hash. The last partial step runs masked.
 //!
-//! A block is taken only where every 4-byte load stays inside the slice it
-//! reads and every index fits the kernels' 32-bit lanes (`fits`); the scalar
-//! loops in `codec` handle the rest (8-byte words, the few positions at a
-//! chunk's very end) and are the reference the tests hold these to.
+//! Positions go through a kernel only where every 4-byte load stays inside
+//! the slice it reads and every index fits the kernels' 32-bit lanes
+//! (`fits`); the scalar loops in `codec` handle the rest (8-byte words, the
+//! few positions at a chunk's very end) and are the reference the tests
+//! hold these to.
 
 #![allow(unsafe_code)]
 
