@@ -551,14 +551,18 @@ fn apply_sparse<T: Word>(
             prefetch(base.wrapping_add(ahead as usize * w));
         }
     };
+    // Change `i` (at position `p`), word by word.
+    let apply_one = |target: &mut [u8], moves: &mut DigestMoves, i: usize, p: u32| {
+        let word = &mut target[p as usize * w..][..w];
+        let old = T::load(word);
+        let new = if xor { old ^ value_at(i) } else { value_at(i) };
+        T::store(word, new);
+        moves.word(first_element + u64::from(p), old, new);
+    };
     if w == 8 {
         for (i, &p) in positions.iter().enumerate() {
             prefetch_ahead(i);
-            let word = &mut target[p as usize * w..][..w];
-            let old = T::load(word);
-            let new = if xor { old ^ value_at(i) } else { value_at(i) };
-            T::store(word, new);
-            moves.word(first_element + u64::from(p), old, new);
+            apply_one(target, &mut moves, i, p);
         }
         return moves.finish();
     }
@@ -584,11 +588,7 @@ fn apply_sparse<T: Word>(
             };
             moves.add(moved);
             for (i, &p) in positions.iter().enumerate().skip(cut) {
-                let word = &mut target[p as usize * w..][..w];
-                let old = T::load(word);
-                let new = if xor { old ^ value_at(i) } else { value_at(i) };
-                T::store(word, new);
-                moves.word(first_element + u64::from(p), old, new);
+                apply_one(target, &mut moves, i, p);
             }
             return moves.finish();
         }
@@ -609,11 +609,8 @@ fn apply_sparse<T: Word>(
                 *v |= u32::from(byte) << (8 * j);
             }
         }
-        let ahead = positions.get(start + PREFETCH_AHEAD..).unwrap_or_default();
         for (k, &p) in block.iter().enumerate() {
-            if let Some(&a) = ahead.get(k) {
-                prefetch(base.wrapping_add(a as usize * w));
-            }
+            prefetch_ahead(start + k);
             let at = p as usize * w;
             let word = &mut target[at..at + w];
             let old = T::load(word) as u32;

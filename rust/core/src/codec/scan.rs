@@ -71,6 +71,9 @@ pub(super) fn scan<T: Word>(old: &[u8], new: &[u8], base: u32, positions: &mut V
     visit(tail, mask, positions);
 }
 
+/// Changes gathered (and their digest move hashed) per block.
+const GATHER_BLOCK: usize = 256;
+
 /// Append the value words at `positions` (XOR masks or new bits) and, when
 /// `tracked_from` gives the chunk's first element, account for how the
 /// tensor digest moves from `old` to `new` there.
@@ -83,13 +86,12 @@ fn gather<T: Word>(
     values: &mut Vec<u64>,
     moves: &mut DigestMoves,
 ) {
-    const BLOCK: usize = 256;
     let w = T::BYTES;
     let overwrite = kind == ChangeKind::Overwrite;
     let start = values.len();
     values.resize(start + positions.len(), 0);
     let out = &mut values[start..];
-    for (block, out) in positions.chunks(BLOCK).zip(out.chunks_mut(BLOCK)) {
+    for (block, out) in positions.chunks(GATHER_BLOCK).zip(out.chunks_mut(GATHER_BLOCK)) {
         #[cfg(target_arch = "x86_64")]
         if super::gather_x86::fits(block, w, old.len(), tracked_from.unwrap_or(0)) {
             use super::gather_x86::gather_block;
@@ -125,7 +127,6 @@ fn gather_scalar<T: Word>(
     out: &mut [u64],
     moves: &mut DigestMoves,
 ) {
-    const BLOCK: usize = 256;
     let w = T::BYTES;
     let Some(first) = tracked_from else {
         for (v, &p) in out.iter_mut().zip(block) {
@@ -144,9 +145,9 @@ fn gather_scalar<T: Word>(
         }
         return;
     }
-    debug_assert!(block.len() <= BLOCK);
-    let mut old_units = [0u32; BLOCK];
-    let mut new_units = [0u32; BLOCK];
+    debug_assert!(block.len() <= GATHER_BLOCK);
+    let mut old_units = [0u32; GATHER_BLOCK];
+    let mut new_units = [0u32; GATHER_BLOCK];
     for (k, (v, &p)) in out.iter_mut().zip(block).enumerate() {
         let at = p as usize * w;
         let (x, y) = (T::load(&old[at..at + w]), T::load(&new[at..at + w]));
