@@ -21,6 +21,11 @@ new array); d and g include file I/O (page cache). Every decode/apply is
 checked bit for bit against NEW.
 
     python benches/bench_codec.py [--quick] [--repeats N] [--mem-repeats N] [--pairs ID,...] [--out PATH]
+
+Any other pair of bf16 checkpoints of one layout runs the same rows with
+``--pair OLD NEW`` (repeatable; only those pairs unless ``--pairs`` also
+names some), for example the fresh training pairs that
+``benches/make_training_pairs.py`` writes.
 """
 
 from __future__ import annotations
@@ -548,16 +553,23 @@ def main(argv: list[str] | None = None) -> int:
                          "in memory, the rows the speed ratios compare), best kept (default 15; 1 with --quick): "
                          "on a shared host a best of 3 of a 2 ms call is mostly noise")
     ap.add_argument("--pairs", help="comma-separated input ids or substrings (ids: " + ", ".join(all_ids) + ")")
+    ap.add_argument("--pair", nargs=2, action="append", default=[], metavar=("OLD", "NEW"),
+                    help="another pair of bf16 safetensors checkpoints of one layout (repeatable); "
+                         "alone it replaces the shared pairs, with --pairs it adds to them")
     ap.add_argument("--out", default=str(C.REPO_ROOT / "bench-out" / "codec.json"), help="JSON output path")
     args = ap.parse_args(argv)
     repeats = args.repeats if args.repeats else (1 if args.quick else 3)
     mem_repeats = args.mem_repeats if args.mem_repeats else (1 if args.quick else 15)
     if repeats < 1 or mem_repeats < 1:
         raise SystemExit("--repeats and --mem-repeats must be at least 1")
-    chosen = select(all_ids, args.pairs)
+    chosen = [] if args.pair and not args.pairs else select(all_ids, args.pairs)
+    own_pairs = [(Path(a), Path(b)) for a, b in args.pair]
+    for path in (p for pair in own_pairs for p in pair):
+        if not path.is_file():
+            raise SystemExit(f"--pair: {path} is not a file")
 
     data = C.data_dir()
-    if not (data / FP32M).is_dir():
+    if chosen and not (data / FP32M).is_dir():
         raise SystemExit(f"checkpoint data not found under {data}: set DCR_DATA to the directory holding {FP32M}/")
 
     dcr, reason = load_dcr()
@@ -572,9 +584,19 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="dcr-bench-codec-") as tmp:
         work = Path(tmp)
-        base = C.load_raw(step_path(FP32M, 10))
-        kinds = C.kind_ids(base)
-        inputs = []
+        inputs = []  # (input, tensor kind of every element)
+        for i, (old_path, new_path) in enumerate(own_pairs):
+            try:
+                old, new = C.load_raw(old_path), C.load_raw(new_path)
+            except ValueError as e:
+                raise SystemExit(f"--pair: {e}") from None
+            if new.tensors != old.tensors:
+                raise SystemExit(f"--pair: {new_path} has another tensor layout than {old_path}: "
+                                 "a delta needs two versions of one layout")
+            label = f"{old_path.parent.name}/{old_path.stem} -> {new_path.stem}"
+            inputs.append((Input(f"pair-{i + 1}", label, "real", old.path, new.path, old, new.words), C.kind_ids(old)))
+        base = C.load_raw(step_path(FP32M, 10)) if chosen else None
+        kinds = C.kind_ids(base) if base is not None else None
         for pid, label, directory, a, b in REAL_PAIRS:
             if pid in chosen:
                 old = base if (directory, a) == (FP32M, 10) else C.load_raw(step_path(directory, a))
@@ -582,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
                 for ck in (old, new):
                     if ck.tensors != base.tensors:  # kinds are computed once, from base
                         raise SystemExit(f"{ck.path}: tensor layout differs from {base.path}")
-                inputs.append(Input(pid, label, "real", old.path, new.path, old, new.words))
+                inputs.append((Input(pid, label, "real", old.path, new.path, old, new.words), kinds))
         syn = [(sid, r) for sid, r in SYNTHETIC_RATES if sid in chosen]
         if syn:
             pool = C.ulp_step_pool(base.words, C.load_raw(step_path(FP32M, 11)).words)
@@ -591,12 +613,12 @@ def main(argv: list[str] | None = None) -> int:
                 words, _ = C.synthetic_new(base.words, rate, pool, seed)
                 newp = work / f"{sid}.safetensors"
                 newp.write_bytes(base.header + words.astype("<u2").tobytes())
-                inputs.append(Input(sid, f"synthetic {rate:.0%}", "synthetic", base.path, newp, base, words,
-                                    {"synthetic": {"rate": rate, "seed": seed,
-                                                   "step_pool": f"{FP32M} 10->11 ulp deltas, sign flips excluded",
-                                                   "step_pool_size": int(pool.size)}}))
-        for inp in inputs:
-            res = run_input(inp, kinds, dcr, repeats, work, mem_repeats)
+                inputs.append((Input(sid, f"synthetic {rate:.0%}", "synthetic", base.path, newp, base, words,
+                                     {"synthetic": {"rate": rate, "seed": seed,
+                                                    "step_pool": f"{FP32M} 10->11 ulp deltas, sign flips excluded",
+                                                    "step_pool_size": int(pool.size)}}), kinds))
+        for inp, inp_kinds in inputs:
+            res = run_input(inp, inp_kinds, dcr, repeats, work, mem_repeats)
             results.append(res)
             print_input(res)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import struct
 import sys
 import types
@@ -348,3 +349,76 @@ def test_bench_codec_smoke(tmp_path, bench_codec, capsys):
             assert rows[key]["verified"] and rows[key]["encode_mb_s"] > 0
     if not doc["dcr"]["available"]:
         assert "dcr rows skipped" in capsys.readouterr().out
+
+
+def _float_like_pair(tmp_path: Path, rate: float) -> tuple[Path, Path, int]:
+    """Two bf16 checkpoints of one Qwen-style layout: small weights, a
+    fraction ``rate`` of them moved by one or two ulps."""
+    rng = np.random.default_rng(11)
+    layout = {"model.layers.0.mlp.up_proj.weight": (64, 256), "model.layers.0.self_attn.q_proj.bias": (64,),
+              "model.norm.weight": (64,)}
+    old_t, new_t, changed = {}, {}, 0
+    for name, shape in layout.items():
+        n = int(np.prod(shape))
+        w = (rng.normal(0, 0.02, n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        moved = w.copy()
+        if "norm" not in name:
+            idx = rng.choice(n, int(rate * n), replace=False)
+            moved[idx] += rng.integers(1, 3, idx.size).astype(np.uint16)
+            changed += int((moved != w).sum())
+        old_t[name] = ("BF16", shape, w.tobytes())
+        new_t[name] = ("BF16", shape, moved.tobytes())
+    po, pn = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
+    write_safetensors(po, old_t)
+    write_safetensors(pn, new_t)
+    return po, pn, changed
+
+
+def test_bench_codec_on_a_pair_of_ones_own(tmp_path, bench_codec):
+    """--pair runs every row on any two checkpoints of one layout, without the shared data."""
+    if shutil.which("zstd") is None:
+        pytest.skip("the zstd CLI (baseline d) is not on PATH")
+    po, pn, m = _float_like_pair(tmp_path, 0.03)
+    out = tmp_path / "codec.json"
+    assert bench_codec.main(["--quick", "--pair", str(po), str(pn), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    [inp] = doc["inputs"]
+    assert inp["id"] == "pair-1" and inp["kind"] == "real" and inp["changed_elements"] == m
+    assert inp["change_rate_by_kind"]["norm"] == 0 and inp["change_rate_by_kind"]["mlp"] > 0
+    rows = {r["method"]: r for r in inp["methods"]}
+    assert rows["f_iid_bound"]["payload_bytes"] > 0
+    for key in ("a_idx32_val16_zstd3", "b_leb128gap_xor16_zstd3", "d_zstd_cli_patch_from_long3"):
+        assert rows[key]["verified"], key
+    if doc["dcr"]["available"]:
+        assert rows["h_dcr_context_t1"]["verified"] and rows["g_dcr_free_known_t1"]["verified"]
+
+
+def test_bench_codec_refuses_a_bad_pair(tmp_path, bench_codec):
+    po, pn, _ = _float_like_pair(tmp_path, 0.03)
+    with pytest.raises(SystemExit, match="is not a file"):
+        bench_codec.main(["--pair", str(po), str(tmp_path / "missing.safetensors"), "--out", str(tmp_path / "x.json")])
+    other = tmp_path / "other.safetensors"
+    write_safetensors(other, {"w": ("BF16", (4,), bytes(8))})
+    with pytest.raises(SystemExit, match="another tensor layout"):
+        bench_codec.main(["--pair", str(po), str(other), "--out", str(tmp_path / "x.json")])
+
+
+def test_make_training_pairs_writes_consecutive_real_steps(tmp_path):
+    """A tiny policy trained for two steps in each regime: snapshots of one
+    layout, bf16, that differ in some but not all elements."""
+    pytest.importorskip("transformers")
+    import make_training_pairs
+
+    for regime, lr in (("fp32master", 1e-4), ("bf16", 1e-3)):
+        out = tmp_path / regime
+        assert make_training_pairs.main([
+            "--out", str(out), "--regime", regime, "--lr", str(lr), "--snapshots", "1", "2",
+            "--hidden", "32", "--intermediate", "64", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+            "--vocab", "256", "--window", "16", "--batch", "2"]) == 0
+        a, b = C.load_raw(out / "step_001.safetensors"), C.load_raw(out / "step_002.safetensors")
+        assert a.tensors == b.tensors and {t.dtype for t in a.tensors} == {"BF16"}
+        assert "lm_head.weight" in {t.name for t in a.tensors}
+        changed = float((a.words != b.words).mean())
+        assert 0 < changed < 1, (regime, changed)
+        log = json.loads((out / "training.json").read_text())
+        assert log["regime"] == regime and [s["step"] for s in log["steps"]] == [1, 2]
