@@ -593,6 +593,10 @@ def main(argv: list[str] | None = None) -> int:
             if new.tensors != old.tensors:
                 raise SystemExit(f"--pair: {new_path} has another tensor layout than {old_path}: "
                                  "a delta needs two versions of one layout")
+            other = next((t for t in old.tensors if t.dtype != "BF16"), None)
+            if other is not None:
+                raise SystemExit(f"--pair: {old_path}: tensor {other.name} is {other.dtype}; the bounds and "
+                                 "baselines here read bf16 words only (dcr itself codes every dtype)")
             label = f"{old_path.parent.name}/{old_path.stem} -> {new_path.stem}"
             inputs.append((Input(f"pair-{i + 1}", label, "real", old.path, new.path, old, new.words), C.kind_ids(old)))
         base = C.load_raw(step_path(FP32M, 10)) if chosen else None

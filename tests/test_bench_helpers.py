@@ -401,6 +401,11 @@ def test_bench_codec_refuses_a_bad_pair(tmp_path, bench_codec):
     write_safetensors(other, {"w": ("BF16", (4,), bytes(8))})
     with pytest.raises(SystemExit, match="another tensor layout"):
         bench_codec.main(["--pair", str(po), str(other), "--out", str(tmp_path / "x.json")])
+    half_a, half_b = tmp_path / "f16a.safetensors", tmp_path / "f16b.safetensors"
+    write_safetensors(half_a, {"w": ("F16", (4,), bytes(8))})
+    write_safetensors(half_b, {"w": ("F16", (4,), bytes(range(8)))})
+    with pytest.raises(SystemExit, match="tensor w is F16"):
+        bench_codec.main(["--pair", str(half_a), str(half_b), "--out", str(tmp_path / "x.json")])
 
 
 def test_make_training_pairs_writes_consecutive_real_steps(tmp_path):
