@@ -99,6 +99,32 @@ def test_wrong_base_is_refused_with_one_line_and_target_untouched(ckpt_pair, tmp
     assert target.read_bytes() == before
 
 
+def test_a_delta_streams_through_a_pipe(ckpt_pair, tmp_path):
+    """`-o /dev/stdout` writes the delta into the pipe (the report goes to
+    stderr), and `dcr apply /dev/stdin` reads one from a pipe."""
+    old, new = ckpt_pair
+    made = subprocess.run([sys.executable, "-m", "dcr.cli", "diff", str(old), str(new), "-o", "/dev/stdout"],
+                          capture_output=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    assert made.stdout[:8] == b"DCRDELTA" and b"elements changed" in made.stderr
+    target = tmp_path / "t.safetensors"
+    shutil.copyfile(old, target)
+    applied = subprocess.run([sys.executable, "-m", "dcr.cli", "apply", "/dev/stdin", str(target), "-q"],
+                             input=made.stdout, capture_output=True, timeout=120)
+    assert applied.returncode == 0, applied.stderr
+    assert target.read_bytes() == new.read_bytes()
+
+
+@pytest.mark.skipif(not Path("/dev/full").is_char_device(), reason="needs Linux's /dev/full")
+def test_a_full_device_is_one_clear_error_and_stays_a_device(ckpt_pair):
+    old, new = ckpt_pair
+    code, out, err = run_cli("diff", str(old), str(new), "-o", "/dev/full")
+    assert code == 2 and out == ""
+    assert err.startswith("dcr diff: error: write /dev/full") and "device is full" in err and "[Errno" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert Path("/dev/full").is_char_device()
+
+
 def test_missing_files_and_non_deltas_are_clear(ckpt_pair, tmp_path):
     old, new = ckpt_pair
     code, _, err = run_cli("apply", str(tmp_path / "nope.dcr"), str(old))

@@ -63,17 +63,29 @@ def cmd_diff(args: argparse.Namespace) -> int:
     bar.close()
     elapsed = time.perf_counter() - t0
     stats["seconds"] = elapsed
+    # A delta written to stdout (`-o /dev/stdout`) keeps stdout to itself.
+    report = sys.stderr if _is_stdout(args.output) else sys.stdout
     if args.json:
-        print(json.dumps(stats, indent=2))
+        print(json.dumps(stats, indent=2), file=report)
     elif not args.quiet:
         print(
             f"{args.output}: {stats['changed_elements']:,} of {stats['total_elements']:,} elements changed "
             f"({100 * stats['change_rate']:.3f} %), {_human(stats['payload_bytes'])} "
             f"({stats['bytes_per_changed']:.3f} B per changed element, "
             f"{stats['checkpoint_bytes'] / max(stats['payload_bytes'], 1):.1f}x smaller than the checkpoint) "
-            f"in {elapsed:.2f} s"
+            f"in {elapsed:.2f} s",
+            file=report,
         )
     return 0
+
+
+def _is_stdout(path: str) -> bool:
+    """Whether ``path`` is the file, pipe or terminal this process's stdout writes to."""
+    try:
+        a, b = os.stat(path), os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
@@ -588,8 +600,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
+    except BrokenPipeError:
+        # The reader went away (`dcr inspect D | head`): stop quietly, as a
+        # Unix filter does, without a second error at interpreter exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (dcr.DcrError, OSError, ValueError, TypeError) as e:  # ConnectionError, TimeoutError are OSErrors
-        print(f"dcr {args.command}: error: {e}", file=sys.stderr)
+        # The core's I/O errors carry their whole message as strerror; an
+        # "[Errno N]" prefix adds nothing to it.
+        core_io = isinstance(e, OSError) and e.strerror and e.filename is None and e.errno is not None
+        print(f"dcr {args.command}: error: {e.strerror if core_io else e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"dcr {args.command}: interrupted", file=sys.stderr)

@@ -14,7 +14,7 @@ pub fn short_hex(bytes: &[u8]) -> String {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    #[error("{op} {path}: {source}")]
+    #[error("{op} {path}: {source}{}", file_io_advice(source))]
     Io {
         path: PathBuf,
         op: &'static str,
@@ -237,6 +237,18 @@ pub enum Error {
     /// receiver (or publisher) holds.
     #[error("{url}: {detail}")]
     VersionChain { url: String, detail: String },
+}
+
+/// What to do after a file operation failed, for the kinds with a clear
+/// remedy (appended to the message; empty otherwise).
+fn file_io_advice(e: &io::Error) -> &'static str {
+    if e.kind() == io::ErrorKind::StorageFull || e.raw_os_error() == Some(28) {
+        "; the device is full: free space or write somewhere else, then retry"
+    } else if e.kind() == io::ErrorKind::PermissionDenied {
+        "; check the permissions of the file and its directory"
+    } else {
+        ""
+    }
 }
 
 /// What to do after an I/O error, by its kind.

@@ -18,12 +18,30 @@ pub fn sync_dir(dir: &Path) -> Result<()> {
 
 /// Write a file atomically: a temporary sibling, fsync, rename, fsync the
 /// directory. A crash leaves either the old file or the complete new one.
+///
+/// A path that already names something other than a regular file (a pipe,
+/// `/dev/stdout`, a device) is written in place instead: renaming over it
+/// would replace the pipe or device node with a file, and a write error
+/// such as a full device must reach the caller.
+///
+/// A symbolic link is followed: the file it names is replaced, not the
+/// link (so `-o /dev/stdout` redirected to a file writes that file).
 pub fn write_atomically(path: &Path, write: impl FnOnce(&mut dyn Write) -> Result<()>) -> Result<()> {
+    if fs::metadata(path).is_ok_and(|m| !m.is_file() && !m.is_dir()) {
+        return write_in_place(path, write);
+    }
+    let resolved;
+    let path = if fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) {
+        resolved = fs::canonicalize(path).map_err(|e| Error::io("resolve the link", path, e))?;
+        resolved.as_path()
+    } else {
+        path
+    };
     let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
     let name = path.file_name().ok_or_else(|| Error::Invalid(format!("{} is not a file path", path.display())))?;
     let tmp: PathBuf = dir.join(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
     let result = (|| {
-        let file = File::create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
+        let file = File::create(&tmp).map_err(|e| Error::io("create a temporary file in", dir_or_here(&dir), e))?;
         let mut w = BufWriter::with_capacity(1 << 20, file);
         write(&mut w)?;
         let file = w.into_inner().map_err(|e| Error::io("write", &tmp, e.into_error()))?;
@@ -35,6 +53,25 @@ pub fn write_atomically(path: &Path, write: impl FnOnce(&mut dyn Write) -> Resul
         let _ = fs::remove_file(&tmp);
     }
     result
+}
+
+fn dir_or_here(dir: &Path) -> &Path {
+    if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    }
+}
+
+/// `write_atomically` into a pipe or device: opened for writing as it is
+/// (never created or truncated), every byte flushed. There is nothing
+/// durable to fsync.
+fn write_in_place(path: &Path, write: impl FnOnce(&mut dyn Write) -> Result<()>) -> Result<()> {
+    let file = fs::OpenOptions::new().write(true).open(path).map_err(|e| Error::io("open for writing", path, e))?;
+    let mut w = BufWriter::with_capacity(1 << 20, file);
+    write(&mut w)?;
+    w.into_inner().map_err(|e| Error::io("write", path, e.into_error()))?;
+    Ok(())
 }
 
 pub fn diff_files(
@@ -92,4 +129,73 @@ pub fn compare_files(a: &Path, b: &Path) -> Result<Vec<String>> {
     let ca = ReadOnlyCheckpoint::open(a)?;
     let cb = ReadOnlyCheckpoint::open(b)?;
     delta::compare(ca.layout(), &ca.buffers(), cb.layout(), &cb.buffers())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fifo(path: &Path) {
+        let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+        // Safety: a valid NUL-terminated path.
+        #[allow(unsafe_code)]
+        let rc = unsafe { libc::mkfifo(c.as_ptr(), 0o600) };
+        assert_eq!(rc, 0, "mkfifo {}", path.display());
+    }
+
+    #[test]
+    fn a_pipe_is_written_through_not_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let pipe = dir.path().join("out.pipe");
+        fifo(&pipe);
+        let reader = {
+            let pipe = pipe.clone();
+            std::thread::spawn(move || fs::read(pipe).unwrap())
+        };
+        let payload: Vec<u8> = (0..3_000_000u32).map(|i| (i * 7) as u8).collect();
+        write_atomically(&pipe, |w| w.write_all(&payload).map_err(|e| Error::io("write", &pipe, e))).unwrap();
+        // Checked before joining: a reader of a replaced pipe waits forever.
+        use std::os::unix::fs::FileTypeExt;
+        assert!(fs::metadata(&pipe).unwrap().file_type().is_fifo(), "the pipe was replaced by a file");
+        assert_eq!(reader.join().unwrap(), payload);
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1, "a temporary file was left behind");
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_full_device_is_an_error_and_stays_a_device() {
+        use std::os::unix::fs::FileTypeExt;
+        let full = Path::new("/dev/full");
+        assert!(fs::metadata(full).unwrap().file_type().is_char_device(), "/dev/full is not a device on this host");
+        let err = write_atomically(full, |w| w.write_all(&[1u8; 1 << 21]).map_err(|e| Error::io("write", full, e))).unwrap_err();
+        assert!(err.to_string().contains("/dev/full"), "{err}");
+        assert!(fs::metadata(full).unwrap().file_type().is_char_device());
+    }
+
+    #[test]
+    fn a_link_is_followed_and_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("real.dcr");
+        let link = dir.path().join("link.dcr");
+        fs::write(&target, b"old").unwrap();
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        write_atomically(&link, |w| w.write_all(b"new").map_err(|e| Error::io("write", &link, e))).unwrap();
+        assert!(fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "the link was replaced");
+        assert_eq!(fs::read(&target).unwrap(), b"new");
+    }
+
+    #[test]
+    fn a_failed_write_leaves_the_old_file_and_no_temporary() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("delta.dcr");
+        fs::write(&path, b"old").unwrap();
+        let err = write_atomically(&path, |w| {
+            w.write_all(b"partial").map_err(|e| Error::io("write", &path, e))?;
+            Err(Error::Invalid("stopped halfway".into()))
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("stopped halfway"));
+        assert_eq!(fs::read(&path).unwrap(), b"old");
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
 }
