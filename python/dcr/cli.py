@@ -72,11 +72,20 @@ def cmd_diff(args: argparse.Namespace) -> int:
             f"{args.output}: {stats['changed_elements']:,} of {stats['total_elements']:,} elements changed "
             f"({100 * stats['change_rate']:.3f} %), {_human(stats['payload_bytes'])} "
             f"({stats['bytes_per_changed']:.3f} B per changed element, "
-            f"{stats['checkpoint_bytes'] / max(stats['payload_bytes'], 1):.1f}x smaller than the checkpoint) "
+            f"{_against_checkpoint(stats['payload_bytes'], stats['checkpoint_bytes'])}) "
             f"in {elapsed:.2f} s",
             file=report,
         )
     return 0
+
+
+def _against_checkpoint(delta_bytes: int, checkpoint_bytes: int) -> str:
+    """How the delta's size compares with the checkpoint's, in words."""
+    if checkpoint_bytes == 0:
+        return "the checkpoint holds no data"
+    if delta_bytes <= checkpoint_bytes:
+        return f"{checkpoint_bytes / max(delta_bytes, 1):.1f}x smaller than the checkpoint"
+    return f"{delta_bytes / checkpoint_bytes:.1f}x the checkpoint's size: its header and digests outweigh so few changes"
 
 
 def _is_stdout(path: str) -> bool:
