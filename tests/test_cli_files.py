@@ -125,6 +125,15 @@ def test_a_full_device_is_one_clear_error_and_stays_a_device(ckpt_pair):
     assert Path("/dev/full").is_char_device()
 
 
+def test_a_truncated_checkpoint_is_named_as_such(ckpt_pair, tmp_path):
+    old, new = ckpt_pair
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(new.read_bytes()[: new.stat().st_size // 2])
+    code, _, err = run_cli("diff", str(old), str(cut), "-o", str(tmp_path / "d.dcr"))
+    assert code == 2 and "cut.safetensors" in err and "truncated file" in err, err
+    assert not (tmp_path / "d.dcr").exists()
+
+
 def test_missing_files_and_non_deltas_are_clear(ckpt_pair, tmp_path):
     old, new = ckpt_pair
     code, _, err = run_cli("apply", str(tmp_path / "nope.dcr"), str(old))

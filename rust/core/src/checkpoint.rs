@@ -274,8 +274,17 @@ pub type WritableCheckpoint = MappedCheckpoint<memmap2::MmapMut>;
 
 /// The tensors of one safetensors file and their byte ranges in it.
 fn parse_shard(path: &Path, bytes: &[u8]) -> Result<Vec<(TensorSpec, Range<usize>)>> {
-    let (header_len, meta) = SafeTensors::read_metadata(bytes)
-        .map_err(|e| Error::Checkpoint { path: path.into(), detail: e.to_string() })?;
+    let (header_len, meta) = SafeTensors::read_metadata(bytes).map_err(|e| {
+        let detail = match e {
+            safetensors::SafeTensorError::MetadataIncompleteBuffer => {
+                let header = bytes.get(..8).map_or(0, |b| u64::from_le_bytes(b.try_into().expect("8 bytes")));
+                let data = (bytes.len() as u64).saturating_sub(8).saturating_sub(header);
+                format!("{e}: its data region holds {data} bytes, not what its header declares; a truncated file, or one still being written?")
+            }
+            e => e.to_string(),
+        };
+        Error::Checkpoint { path: path.into(), detail }
+    })?;
     let data_start = 8usize
         .checked_add(header_len)
         .ok_or_else(|| Error::Checkpoint { path: path.into(), detail: "header length overflows".into() })?;
