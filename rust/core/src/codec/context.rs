@@ -862,7 +862,7 @@ mod tests {
         let mut next = super::super::tests::xorshift(0x9e37_79b9_7f4a_7c15);
         for (dtype, width) in [(Dtype::BF16, 2), (Dtype::F32, 4), (Dtype::F8_E4M3, 1), (Dtype::I16, 2), (Dtype::U8, 1)] {
             let model = ContextModel::for_dtype(DType(dtype));
-            for n in [0usize, 1, 63, 64, 65, 1000, 4099] {
+            for n in [0usize, 1, 63, 64, 65, 127, 128, 129, 255, 256, 257, 383, 1000, 4099] {
                 let old = float_like_words(&mut next, n, width);
                 let positions: Vec<u32> = (0..n as u32).filter(|_| next().is_multiple_of(6)).collect();
                 let (fast, slow) = match width {
@@ -871,6 +871,17 @@ mod tests {
                     _ => (ranks::<u32>(&old, &model, &positions), ranks_reference::<u32>(&old, &model, &positions)),
                 };
                 assert_eq!(fast, slow, "{dtype:?}, {n} elements");
+                // Each kernel this CPU runs, not only the one `ranks` picks.
+                #[cfg(target_arch = "x86_64")]
+                for kernel in super::super::x86::kernels_here() {
+                    let mut out = Vec::new();
+                    match width {
+                        1 => super::super::x86::ranks_with::<u8>(kernel, &old, &model, &positions, &mut out),
+                        2 => super::super::x86::ranks_with::<u16>(kernel, &old, &model, &positions, &mut out),
+                        _ => super::super::x86::ranks_with::<u32>(kernel, &old, &model, &positions, &mut out),
+                    }
+                    assert_eq!(out, slow, "{kernel:?}: {dtype:?}, {n} elements");
+                }
             }
         }
     }
@@ -878,11 +889,10 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn expansion_kernels_agree() {
-        use super::super::x86::{self, Kernel};
+        use super::super::x86;
         // Each kernel this CPU runs is held to the true positions (a CPU
         // without AVX2 never expands: it decodes by the reference loop).
-        let kernels: Vec<Kernel> =
-            [(Kernel::Avx2, x86::available()), (Kernel::Avx512, x86::wide_available())].into_iter().filter(|k| k.1).map(|k| k.0).collect();
+        let kernels = x86::kernels_here();
         let mut next = super::super::tests::xorshift(0x5851_f42d_4c95_7f2d);
         for (dtype, width) in [(Dtype::BF16, 2), (Dtype::F32, 4), (Dtype::F8_E4M3, 1), (Dtype::F16, 2)] {
             let model = ContextModel::for_dtype(DType(dtype));

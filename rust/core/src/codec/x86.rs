@@ -13,11 +13,14 @@
 //! memory: the cost is set by the contexts per block, hardly by the number
 //! of changes.
 //!
-//! Where the CPU also has AVX-512 (F and BW) the decoder walks blocks of
-//! 256 elements instead: one compare per 64 elements lands straight in a
-//! mask register, and the per-block work (the range of contexts present,
-//! the loop exit, which mispredicts) is paid a quarter as often. That made
-//! the whole context decode 10-15 % faster on the real pairs (Zen 4).
+//! Where the CPU also has AVX-512 (F and BW) both sides walk blocks of 256
+//! elements instead: one compare per 64 elements lands straight in a mask
+//! register, and the per-block work (the range of contexts present, the
+//! loop exit, which mispredicts) is paid a quarter as often. That made the
+//! whole context decode 10-15 % faster on the real pairs (Zen 4), and the
+//! context encode about 5 % on the one-step pairs (Intel Xeon; the encoder
+//! pays four compares per change instead of two, so at 6.5 % change it
+//! breaks even).
 //!
 //! Each kernel has a portable twin (`context::ranks_reference`,
 //! `context::decode_reference`) that the tests hold it to.
@@ -78,6 +81,13 @@ pub(super) enum Kernel {
     /// quarter of the per-block work (context range, loop exit) per
     /// element.
     Avx512,
+}
+
+/// The kernels this CPU runs, narrowest first (none without AVX2 and a
+/// fast BMI2: such a CPU takes the portable paths).
+#[cfg(test)]
+pub(super) fn kernels_here() -> Vec<Kernel> {
+    [(Kernel::Avx2, available()), (Kernel::Avx512, wide_available())].into_iter().filter(|k| k.1).map(|k| k.0).collect()
 }
 
 /// Expand the rank bitmaps of the `listed` contexts over the chunk `old`:
@@ -437,13 +447,108 @@ unsafe fn min_max(v0: __m256i, v1: __m256i) -> (u8, u8) {
 /// `expand`: 64 elements at a time, one compare and popcount per context
 /// present.
 pub(super) fn ranks<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32], ranks: &mut Vec<u32>) {
+    let kernel = if wide_available() { Kernel::Avx512 } else { Kernel::Avx2 };
+    ranks_with::<T>(kernel, old, model, positions, ranks);
+}
+
+/// `ranks` with a given kernel (the tests hold each to the reference).
+pub(super) fn ranks_with<T: Word>(kernel: Kernel, old: &[u8], model: &ContextModel, positions: &[u32], ranks: &mut Vec<u32>) {
     assert!(available() && model.contexts() <= 256 && T::BYTES <= 4, "the caller checks the CPU and the model");
-    // Safety: the CPU has the features `ranks_avx2` is compiled for
-    // (checked just above).
-    #[allow(unsafe_code)]
-    unsafe {
-        ranks_avx2::<T>(old, model, positions, ranks)
+    match kernel {
+        // Safety: the CPU has the features `ranks_avx2` is compiled for
+        // (checked just above).
+        #[allow(unsafe_code)]
+        Kernel::Avx2 => unsafe { ranks_avx2::<T>(old, model, positions, ranks) },
+        Kernel::Avx512 => {
+            assert!(wide_available(), "the caller checks the CPU");
+            // Safety: checked just above.
+            #[allow(unsafe_code)]
+            unsafe {
+                ranks_avx512::<T, LANES>(old, model, positions, ranks)
+            }
+        }
     }
+}
+
+/// Per context, how many changes lie ahead in `positions`, and the
+/// smallest and largest context with any.
+fn changes_ahead<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32]) -> ([u32; 256], u8, u8) {
+    let w = T::BYTES;
+    let mut ahead = [0u32; 256];
+    for &p in positions {
+        let p = p as usize;
+        ahead[model.context(T::load(&old[p * w..(p + 1) * w]))] += 1;
+    }
+    let first = ahead.iter().position(|&a| a > 0).unwrap_or(0) as u8;
+    let last = ahead.iter().rposition(|&a| a > 0).unwrap_or(0) as u8;
+    (ahead, first, last)
+}
+
+/// Compiled with AVX-512 F/BW and BMI2: may only run where
+/// `wide_available()`. The walk of `ranks_avx2` by blocks of `64 * L`
+/// elements, as `expand_avx512` walks them: one compare per 64 elements
+/// straight into a mask, and the per-block work paid a quarter as often.
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx512f,avx512bw,avx2,bmi1,bmi2,popcnt")]
+unsafe fn ranks_avx512<T: Word, const L: usize>(old: &[u8], model: &ContextModel, positions: &[u32], ranks: &mut Vec<u32>) {
+    let w = T::BYTES;
+    let n = old.len() / w;
+    let (shift, mask) = (model.shift, model.mask as u8);
+    let mut counts = [0u32; 256];
+    // Only contexts with changes ahead need counting.
+    let (mut ahead, first, last) = changes_ahead::<T>(old, model, positions);
+    let mut next = 0usize; // the next change
+    ranks.clear();
+    ranks.reserve(positions.len());
+    for start in (0..n).step_by(64 * L) {
+        if next == positions.len() {
+            break; // nothing after the last change needs counting
+        }
+        let mut v = [_mm512_setzero_si512(); L];
+        let mut valid = [0u64; L];
+        for half in 0..L / 2 {
+            let (v0, v1, valid0, valid1) = if start + 128 * half < n {
+                wide_block_contexts::<T>(old, start + 128 * half, shift, mask)
+            } else {
+                (_mm512_setzero_si512(), _mm512_setzero_si512(), 0, 0)
+            };
+            (v[2 * half], v[2 * half + 1], valid[2 * half], valid[2 * half + 1]) = (v0, v1, valid0, valid1);
+        }
+        let len = (64 * L).min(n - start);
+        while let Some(&p) = positions.get(next) {
+            let j = (p as usize).checked_sub(start).expect("changed positions ascend");
+            if j >= len {
+                break;
+            }
+            let c = model.context(T::load(&old[p as usize * w..][..w]));
+            let probe = _mm512_set1_epi8(c as u8 as i8);
+            // The elements of its context before it: whole lanes below its
+            // own, then the part of its lane below it.
+            let mut rank = counts[c];
+            for lane in 0..L {
+                let m = _mm512_cmpeq_epi8_mask(v[lane], probe) & valid[lane];
+                let below = match lane.cmp(&(j / 64)) {
+                    std::cmp::Ordering::Less => u64::MAX,
+                    std::cmp::Ordering::Equal => _bzhi_u64(u64::MAX, (j % 64) as u32),
+                    std::cmp::Ordering::Greater => 0,
+                };
+                rank += (m & below).count_ones();
+            }
+            ranks.push(rank);
+            ahead[c] -= 1;
+            next += 1;
+        }
+        let (lo, hi) = wide_min_max(&v);
+        for c in usize::from(lo.max(first))..usize::from(hi.min(last)) + 1 {
+            if ahead[c] > 0 {
+                let probe = _mm512_set1_epi8(c as u8 as i8);
+                for lane in 0..L {
+                    counts[c] += (_mm512_cmpeq_epi8_mask(v[lane], probe) & valid[lane]).count_ones();
+                }
+            }
+        }
+    }
+    assert_eq!(next, positions.len(), "changed positions lie inside the chunk");
 }
 
 /// Compiled with AVX2 and BMI2: may only run where `available()`.
@@ -456,13 +561,7 @@ unsafe fn ranks_avx2<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32
     let (shift, mask) = (model.shift, model.mask as u8);
     let mut counts = [0u32; 256];
     // Only contexts with changes ahead need counting.
-    let mut ahead = [0u32; 256];
-    for &p in positions {
-        let p = p as usize;
-        ahead[model.context(T::load(&old[p * w..(p + 1) * w]))] += 1;
-    }
-    let first = ahead.iter().position(|&a| a > 0).unwrap_or(0) as u8;
-    let last = ahead.iter().rposition(|&a| a > 0).unwrap_or(0) as u8;
+    let (mut ahead, first, last) = changes_ahead::<T>(old, model, positions);
     let mut ctx = [0u8; B];
     let mut next = 0usize; // the next change
     ranks.clear();
