@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 
 /// fsync a directory so a create or rename inside it is durable.
 pub fn sync_dir(dir: &Path) -> Result<()> {
-    let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+    let dir = dir_or_here(dir);
     File::open(dir).and_then(|d| d.sync_all()).map_err(|e| Error::io("sync directory", dir, e))
 }
 
@@ -55,6 +55,8 @@ pub fn write_atomically(path: &Path, write: impl FnOnce(&mut dyn Write) -> Resul
     result
 }
 
+/// A file's parent as `Path::parent` gives it, with "" (a bare file name)
+/// read as the current directory.
 fn dir_or_here(dir: &Path) -> &Path {
     if dir.as_os_str().is_empty() {
         Path::new(".")
