@@ -239,10 +239,16 @@ pub enum Error {
     VersionChain { url: String, detail: String },
 }
 
+/// Whether an I/O error is a full device (ENOSPC).
+fn storage_full(e: &io::Error) -> bool {
+    // 28 = ENOSPC on Linux and macOS, in case the kind is not mapped.
+    e.kind() == io::ErrorKind::StorageFull || e.raw_os_error() == Some(28)
+}
+
 /// What to do after a file operation failed, for the kinds with a clear
 /// remedy (appended to the message; empty otherwise).
 fn file_io_advice(e: &io::Error) -> &'static str {
-    if e.kind() == io::ErrorKind::StorageFull || e.raw_os_error() == Some(28) {
+    if storage_full(e) {
         "; the device is full: free space or write somewhere else, then retry"
     } else if e.kind() == io::ErrorKind::PermissionDenied {
         "; check the permissions of the file and its directory"
@@ -253,8 +259,7 @@ fn file_io_advice(e: &io::Error) -> &'static str {
 
 /// What to do after an I/O error, by its kind.
 fn io_advice(e: &io::Error) -> &'static str {
-    // 28 = ENOSPC on Linux and macOS, in case the kind is not mapped.
-    if e.kind() == io::ErrorKind::StorageFull || e.raw_os_error() == Some(28) {
+    if storage_full(e) {
         "the disk is full: free space and retry; every record acknowledged before this call is intact"
     } else if e.kind() == io::ErrorKind::NotFound {
         "the file or its directory is missing: check the path"
@@ -295,11 +300,8 @@ impl Error {
     /// Whether this error (or the one it wraps) is a full disk (ENOSPC).
     pub fn is_disk_full(&self) -> bool {
         match self {
-            Error::JournalIo { source, .. } => {
-                source.kind() == io::ErrorKind::StorageFull || source.raw_os_error() == Some(28)
-            }
+            Error::JournalIo { source, .. } | Error::Io { source, .. } => storage_full(source),
             Error::JournalCompact { source, .. } => source.is_disk_full(),
-            Error::Io { source, .. } => source.kind() == io::ErrorKind::StorageFull || source.raw_os_error() == Some(28),
             _ => false,
         }
     }

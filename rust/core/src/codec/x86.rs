@@ -199,16 +199,8 @@ unsafe fn expand_avx512<T: Word, const L: usize>(old: &[u8], model: &ContextMode
     let words = &maps.words[..];
     let (shift, mask) = (model.shift, model.mask as u8);
     for start in (0..n).step_by(64 * L) {
-        let mut v = [_mm512_setzero_si512(); L];
-        let mut valid = [0u64; L];
-        for half in 0..L / 2 {
-            let (v0, v1, valid0, valid1) = if start + 128 * half < n {
-                wide_block_contexts::<T>(old, start + 128 * half, shift, mask)
-            } else {
-                (_mm512_setzero_si512(), _mm512_setzero_si512(), 0, 0)
-            };
-            (v[2 * half], v[2 * half + 1], valid[2 * half], valid[2 * half + 1]) = (v0, v1, valid0, valid1);
-        }
+        // Safety: these kernels run only where the CPU has AVX-512 F and BW.
+        let (v, valid) = unsafe { wide_lanes::<T, L>(old, start, shift, mask) };
         let (lo, hi) = wide_min_max(&v);
         let mut changed = [0u64; L];
         for c in usize::from(lo).max(first)..usize::from(hi).min(last) + 1 {
@@ -236,6 +228,29 @@ unsafe fn expand_avx512<T: Word, const L: usize>(old: &[u8], model: &ContextMode
         }
     }
     positions.truncate(count);
+}
+
+/// The context bytes of the `64 * L` words of `old` from word `start`, as
+/// `L` vectors of 64, and the masks of their valid elements (words past the
+/// end of `old` are invalid; `L` is even). Always inlined into the
+/// kernels, so that the vectors stay in registers.
+///
+/// # Safety
+/// The CPU must have AVX-512 F and BW.
+#[allow(unsafe_code)]
+#[inline(always)]
+unsafe fn wide_lanes<T: Word, const L: usize>(old: &[u8], start: usize, shift: u32, mask: u8) -> ([__m512i; L], [u64; L]) {
+    let n = old.len() / T::BYTES;
+    let mut v = [_mm512_setzero_si512(); L];
+    let mut valid = [0u64; L];
+    for half in 0..L / 2 {
+        if start + 128 * half < n {
+            // Safety: the caller's CPU has AVX-512 F and BW.
+            (v[2 * half], v[2 * half + 1], valid[2 * half], valid[2 * half + 1]) =
+                unsafe { wide_block_contexts::<T>(old, start + 128 * half, shift, mask) };
+        }
+    }
+    (v, valid)
 }
 
 /// The context bytes of the block of (up to) 128 words of `old` from word
@@ -504,16 +519,8 @@ unsafe fn ranks_avx512<T: Word, const L: usize>(old: &[u8], model: &ContextModel
         if next == positions.len() {
             break; // nothing after the last change needs counting
         }
-        let mut v = [_mm512_setzero_si512(); L];
-        let mut valid = [0u64; L];
-        for half in 0..L / 2 {
-            let (v0, v1, valid0, valid1) = if start + 128 * half < n {
-                wide_block_contexts::<T>(old, start + 128 * half, shift, mask)
-            } else {
-                (_mm512_setzero_si512(), _mm512_setzero_si512(), 0, 0)
-            };
-            (v[2 * half], v[2 * half + 1], valid[2 * half], valid[2 * half + 1]) = (v0, v1, valid0, valid1);
-        }
+        // Safety: these kernels run only where the CPU has AVX-512 F and BW.
+        let (v, valid) = unsafe { wide_lanes::<T, L>(old, start, shift, mask) };
         let len = (64 * L).min(n - start);
         while let Some(&p) = positions.get(next) {
             let j = (p as usize).checked_sub(start).expect("changed positions ascend");
