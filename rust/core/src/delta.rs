@@ -67,7 +67,7 @@ pub struct DeltaStats {
     /// All bytes of the delta: preamble, header, frames, trailer.
     pub delta_bytes: u64,
     pub per_tensor: Vec<TensorStats>,
-    pub encodings: [u32; 4],
+    pub encodings: [u32; codec::ENCODINGS.len()],
     /// Chunks by codec mode (`Mode as usize`: context-free, context-aware);
     /// a context-mode delta falls back per chunk to context-free coding.
     pub modes: [u32; 2],
@@ -541,13 +541,13 @@ pub fn summarize(delta: &Delta, delta_bytes: u64) -> DeltaStats {
         .iter()
         .map(|t| TensorStats { name: t.name.clone(), words: t.words().unwrap_or(0), ..Default::default() })
         .collect();
-    let mut encodings = [0u32; 4];
+    let mut encodings = [0u32; codec::ENCODINGS.len()];
     let mut modes = [0u32; 2];
     for c in &delta.chunks {
         let t = &mut per_tensor[c.tensor as usize];
         t.changed += u64::from(c.n_changed);
         t.chunks += 1;
-        t.payload_bytes += (c.payload.len() + format::CHUNK_FIXED + 9) as u64;
+        t.payload_bytes += c.frame_len() as u64;
         encodings[c.encoding as usize] += 1;
         modes[c.mode as usize] += 1;
     }

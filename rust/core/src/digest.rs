@@ -10,7 +10,7 @@
 //!   nor receiver reads the unchanged bytes to know the new digest;
 //! - one large tensor is digested on all cores.
 //!
-//! Definition (format version 2, docs/format.md). A tensor's stored bytes are
+//! Definition (docs/format.md; unchanged since format version 2). A tensor's stored bytes are
 //! read as *units*: its codec words (1, 2 or 4 bytes, little endian), or two
 //! 4-byte units per 8-byte word (low half first). Unit `u` at unit index `i`
 //! contributes, in each of four 32-bit lanes `l`,

@@ -16,7 +16,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 pub const MAGIC: &[u8; 8] = b"DCRDELTA";
-pub const FORMAT_VERSION: u16 = 2;
+pub const FORMAT_VERSION: u16 = 3;
 pub const PREAMBLE_LEN: usize = 10;
 /// Largest frame body accepted (a chunk's payload is bounded by its input
 /// range, at most `MAX_CHUNK_BYTES`, plus stream headers).
@@ -33,7 +33,8 @@ const TAG_HEADER: u8 = b'H';
 const TAG_CHUNK: u8 = b'C';
 pub const TAG_TRAILER: u8 = b'T';
 const FRAME_OVERHEAD: usize = 1 + 4 + 4;
-pub const CHUNK_FIXED: usize = 8 + 4 + 4 + 8 + 4 + 4 + 4 + 4;
+/// Most bytes a chunk frame's fields take besides its payload.
+const CHUNK_FIELDS_MAX: usize = 8 + 5 + 5 + 10 + 5 + 1 + 5;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeltaHeader {
@@ -98,7 +99,7 @@ impl DeltaHeader {
         extra: &[u8],
     ) -> Digest {
         let mut h = xxhash_rust::xxh3::Xxh3::new();
-        h.update(b"dcr-delta-v2");
+        h.update(b"dcr-delta-v3");
         h.update(base);
         h.update(target);
         h.update(&base_version.to_le_bytes());
@@ -159,18 +160,35 @@ impl DeltaHeader {
 }
 
 impl ChunkFrame {
+    /// The delta tag, then varints and one byte of codes (kind, encoding,
+    /// mode): 15-20 bytes for a typical chunk, so that a small tensor's
+    /// chunk costs little more than its payload. The payload is the rest of
+    /// the body.
     pub fn to_frame(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(CHUNK_FIXED + self.payload.len());
+        use crate::codec::streams::put_varint;
+        let mut b = Vec::with_capacity(CHUNK_FIELDS_MAX + self.payload.len());
         b.extend_from_slice(&self.delta_tag.to_le_bytes());
-        b.extend_from_slice(&self.seq.to_le_bytes());
-        b.extend_from_slice(&self.tensor.to_le_bytes());
-        b.extend_from_slice(&self.start.to_le_bytes());
-        b.extend_from_slice(&self.len.to_le_bytes());
-        b.extend_from_slice(&[self.kind as u8, self.encoding as u8, self.mode as u8, 0]);
-        b.extend_from_slice(&self.n_changed.to_le_bytes());
-        b.extend_from_slice(&(self.payload.len() as u32).to_le_bytes());
+        put_varint(&mut b, self.seq.into());
+        put_varint(&mut b, self.tensor.into());
+        put_varint(&mut b, self.start);
+        put_varint(&mut b, self.len.into());
+        b.push(self.kind as u8 | (self.encoding as u8) << 2 | (self.mode as u8) << 5);
+        put_varint(&mut b, self.n_changed.into());
         b.extend_from_slice(&self.payload);
         frame(TAG_CHUNK, &b)
+    }
+
+    /// Bytes of this chunk's frame (what `to_frame` returns).
+    pub fn frame_len(&self) -> usize {
+        let varint_len = |v: u64| (64 - (v | 1).leading_zeros() as usize).div_ceil(7);
+        let fields = 8
+            + varint_len(self.seq.into())
+            + varint_len(self.tensor.into())
+            + varint_len(self.start)
+            + varint_len(self.len.into())
+            + 1
+            + varint_len(self.n_changed.into());
+        FRAME_OVERHEAD + fields + self.payload.len()
     }
 }
 
@@ -220,6 +238,12 @@ impl<'a> Cursor<'a> {
     }
     fn digest(&mut self) -> Result<Digest> {
         Ok(self.take(16)?.try_into().expect("16"))
+    }
+    /// A LEB128 varint that must fit in `T`.
+    fn varint<T: TryFrom<u64>>(&mut self, field: &str) -> Result<T> {
+        let v = crate::codec::streams::get_varint(self.buf, &mut self.pos, 10)
+            .ok_or_else(|| Error::corrupt(self.context, format!("{field} is cut off or longer than 10 bytes")))?;
+        T::try_from(v).map_err(|_| Error::corrupt(self.context, format!("{field} {v} is out of range")))
     }
     fn done(&self) -> Result<()> {
         if self.pos == self.buf.len() {
@@ -273,10 +297,10 @@ pub fn parse_frame(buf: &[u8]) -> Result<Option<(Frame, usize)>> {
     let body = &buf[5..5 + body_len];
     if stored != computed {
         let context = match tag {
-            TAG_CHUNK if body.len() >= 12 => {
-                format!("chunk frame (seq {} if intact)", u32::from_le_bytes(body[8..12].try_into().expect("4")))
-            }
-            TAG_CHUNK => "chunk frame".into(),
+            TAG_CHUNK => match crate::codec::streams::get_varint(body, &mut 8, 5) {
+                Some(seq) => format!("chunk frame (seq {seq} if intact)"),
+                None => "chunk frame".into(),
+            },
             TAG_HEADER => "header frame".into(),
             _ => "trailer frame".into(),
         };
@@ -340,19 +364,20 @@ fn parse_header(body: &[u8]) -> Result<DeltaHeader> {
 fn parse_chunk(body: &[u8]) -> Result<ChunkFrame> {
     let mut c = Cursor { buf: body, pos: 0, context: "chunk frame" };
     let delta_tag = c.u64()?;
-    let seq = c.u32()?;
-    let tensor = c.u32()?;
-    let start = c.u64()?;
-    let len = c.u32()?;
+    let seq: u32 = c.varint("sequence number")?;
+    let tensor = c.varint("tensor index")?;
+    let start = c.varint("start")?;
+    let len = c.varint("length")?;
     let ctx = format!("chunk {seq}");
-    let kind = ChangeKind::from_code(c.u8()?, &ctx)?;
-    let encoding = Encoding::from_code(c.u8()?, &ctx)?;
-    let mode = Mode::from_code(c.u8()?, &ctx)?;
-    let _reserved = c.u8()?;
-    let n_changed = c.u32()?;
-    let payload_len = c.u32()? as usize;
-    let payload = c.take(payload_len)?.to_vec();
-    c.done()?;
+    let codes = c.u8()?;
+    if codes & 0x80 != 0 {
+        return Err(Error::UnknownCode { what: "chunk code byte (reserved bit set)", code: codes, context: ctx });
+    }
+    let kind = ChangeKind::from_code(codes & 3, &ctx)?;
+    let encoding = Encoding::from_code((codes >> 2) & 7, &ctx)?;
+    let mode = Mode::from_code((codes >> 5) & 3, &ctx)?;
+    let n_changed = c.varint("changed count")?;
+    let payload = c.take(body.len() - c.pos)?.to_vec();
     Ok(ChunkFrame { delta_tag, seq, tensor, start, len, kind, encoding, mode, n_changed, payload })
 }
 
@@ -368,4 +393,72 @@ fn parse_trailer(body: &[u8]) -> Result<Trailer> {
     let tensor_digests = (0..n).map(|_| c.digest()).collect::<Result<Vec<_>>>()?;
     c.done()?;
     Ok(Trailer { delta_tag, n_chunks, n_changed, tensor_digests })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(seq: u32, tensor: u32, start: u64, len: u32, n_changed: u32, payload: Vec<u8>) -> ChunkFrame {
+        ChunkFrame {
+            delta_tag: 0x0123_4567_89ab_cdef,
+            seq,
+            tensor,
+            start,
+            len,
+            kind: ChangeKind::Overwrite,
+            encoding: Encoding::Bitmap,
+            mode: Mode::Context,
+            n_changed,
+            payload,
+        }
+    }
+
+    #[test]
+    fn chunk_frames_round_trip_at_the_field_limits_and_know_their_length() {
+        for c in [
+            chunk(0, 0, 0, 1, 1, vec![]),
+            chunk(127, 128, 16383, 16384, 300, vec![7; 1000]),
+            chunk(u32::MAX, u32::MAX, u64::MAX, u32::MAX, u32::MAX, vec![0xff; 3]),
+        ] {
+            let bytes = c.to_frame();
+            assert_eq!(bytes.len(), c.frame_len());
+            let (parsed, used) = parse_frame(&bytes).unwrap().unwrap();
+            assert_eq!(used, bytes.len());
+            assert_eq!(parsed, Frame::Chunk(c));
+        }
+        // A small chunk's fields: the tag, one byte per small varint, the code byte.
+        let small = chunk(3, 5, 0, 256, 2, vec![1, 2, 3]);
+        assert_eq!(small.frame_len(), FRAME_OVERHEAD + 8 + 1 + 1 + 1 + 2 + 1 + 1 + 3);
+    }
+
+    /// A frame around `body` with a valid checksum, so the field checks are
+    /// what refuses it.
+    fn chunk_with_body(body: &[u8]) -> Vec<u8> {
+        frame(TAG_CHUNK, body)
+    }
+
+    #[test]
+    fn bad_chunk_fields_are_refused_by_name() {
+        let good = chunk(9, 1, 0, 64, 2, vec![5, 6]).to_frame();
+        let body = &good[5..good.len() - 4];
+        // body: tag(8) seq tensor start len codes n_changed payload
+        let codes_at = 8 + 4;
+        let mut reserved = body.to_vec();
+        reserved[codes_at] |= 0x80;
+        let e = parse_frame(&chunk_with_body(&reserved)).unwrap_err().to_string();
+        assert!(e.contains("reserved bit"), "{e}");
+        let mut encoding = body.to_vec();
+        encoding[codes_at] = (encoding[codes_at] & !(7 << 2)) | (6 << 2);
+        let e = parse_frame(&chunk_with_body(&encoding)).unwrap_err().to_string();
+        assert!(e.contains("encoding") && e.contains('6'), "{e}");
+        // A varint that runs past the body, and one too large for its field.
+        let e = parse_frame(&chunk_with_body(&body[..9])).unwrap_err().to_string();
+        assert!(e.contains("cut off"), "{e}");
+        let mut huge = body[..8].to_vec();
+        huge.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0x7f]); // seq = 2^35 - 1
+        huge.extend_from_slice(&body[9..]);
+        let e = parse_frame(&chunk_with_body(&huge)).unwrap_err().to_string();
+        assert!(e.contains("sequence number") && e.contains("out of range"), "{e}");
+    }
 }

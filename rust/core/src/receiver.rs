@@ -515,7 +515,7 @@ fn prepare<'d>(
                 _ => decode_against(frame, &range, layout, current)?,
             };
             let positions = match frame.encoding {
-                Encoding::Sparse | Encoding::Bitmap => Some(decoded.to_changes().positions),
+                Encoding::Sparse | Encoding::Bitmap | Encoding::Rice => Some(decoded.to_changes().positions),
                 Encoding::Dense | Encoding::Raw => None,
             };
             Ok(Prepared { seq, tensor, range, width, frame, decoded, positions, context })
@@ -856,7 +856,7 @@ fn roll_back<I: JournalIo + Clone>(
         } else {
             match frame.encoding {
                 Encoding::Dense | Encoding::Raw => (None, entry.clone()),
-                Encoding::Sparse | Encoding::Bitmap => {
+                Encoding::Sparse | Encoding::Bitmap | Encoding::Rice => {
                     let d = codec::decode_chunk(
                         &frame.payload,
                         range.len() / width,

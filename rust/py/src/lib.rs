@@ -101,8 +101,8 @@ fn stats_dict<'py>(py: Python<'py>, s: &DeltaStats) -> PyResult<Bound<'py, PyDic
     d.set_item("bytes_per_changed", if s.changed > 0 { s.delta_bytes as f64 / s.changed as f64 } else { 0.0 })?;
     d.set_item("change_rate", if s.total_words > 0 { s.changed as f64 / s.total_words as f64 } else { 0.0 })?;
     let enc = PyDict::new(py);
-    for (i, name) in ["sparse", "bitmap", "dense", "raw"].iter().enumerate() {
-        enc.set_item(name, s.encodings[i])?;
+    for (i, encoding) in dcr_core::codec::ENCODINGS.iter().enumerate() {
+        enc.set_item(encoding.name(), s.encodings[i])?;
     }
     d.set_item("encodings", enc)?;
     let modes = PyDict::new(py);

@@ -17,6 +17,8 @@ pub mod context;
 pub mod range;
 mod scan;
 pub mod streams;
+mod bits;
+use bits::{best_rice_parameter, get_rice, put_rice, BitReader, BitWriter};
 #[cfg(target_arch = "x86_64")]
 mod gather_x86;
 #[cfg(target_arch = "x86_64")]
@@ -25,7 +27,7 @@ mod x86;
 use crate::digest::{DigestMoves, DigestSum};
 pub use scan::{find_changes, find_changes_tracked};
 use crate::error::{Error, Result};
-use streams::{get_varint, put_stream, put_symbols, put_varint, StreamReader};
+use streams::{get_varint, put_mostly_zero, put_stream, put_symbols, put_varint, StreamReader};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
@@ -39,11 +41,22 @@ pub enum ChangeKind {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum Encoding {
+    /// Positions as gap bytes (SIMD prefix sums when decoding), values as
+    /// byte planes.
     Sparse = 0,
+    /// Positions as one bit per element, values as byte planes.
     Bitmap = 1,
+    /// Every element's value, as byte planes.
     Dense = 2,
+    /// Every element's value, as is.
     Raw = 3,
+    /// Positions as Rice codes (no table to send), values as byte planes:
+    /// for chunks of few changes.
+    Rice = 4,
 }
+
+/// The encodings, by code.
+pub const ENCODINGS: [Encoding; 5] = [Encoding::Sparse, Encoding::Bitmap, Encoding::Dense, Encoding::Raw, Encoding::Rice];
 
 /// How the decoder reads the payload: `Free` needs nothing but the payload;
 /// `Context` (reserved) also reads the base values of the chunk.
@@ -77,6 +90,7 @@ impl Encoding {
             1 => Ok(Encoding::Bitmap),
             2 => Ok(Encoding::Dense),
             3 => Ok(Encoding::Raw),
+            4 => Ok(Encoding::Rice),
             _ => Err(Error::UnknownCode { what: "encoding", code, context: context.into() }),
         }
     }
@@ -86,6 +100,7 @@ impl Encoding {
             Encoding::Bitmap => "bitmap",
             Encoding::Dense => "dense",
             Encoding::Raw => "raw",
+            Encoding::Rice => "rice",
         }
     }
 }
@@ -252,7 +267,7 @@ fn put_planes(out: &mut Vec<u8>, planes: &[Vec<u8>], level: i32) {
     // (mostly zeros, with runs); the lower planes are near-random symbols.
     for (k, plane) in planes.iter().rev().enumerate() {
         if k == 0 {
-            put_stream(out, plane, level);
+            put_mostly_zero(out, plane, level);
         } else {
             put_symbols(out, plane, level);
         }
@@ -266,6 +281,49 @@ fn encode_sparse(changes: &SparseChanges, width: usize, level: i32) -> Vec<u8> {
     put_stream(&mut out, &overflow, level);
     put_planes(&mut out, &planes_of(&changes.values, width), level);
     out
+}
+
+/// Chunks with at most this many changes also try `Encoding::Rice`: there
+/// zstd's Huffman table for the gap bytes (60-100 bytes) is a large share
+/// of the payload. Above it the table is paid off, and gap bytes decode
+/// faster (SIMD prefix sums against one Rice code at a time).
+const RICE_MAX_CHANGES: usize = 1024;
+
+fn encode_rice(changes: &SparseChanges, width: usize, level: i32) -> Vec<u8> {
+    let mut gaps = Vec::with_capacity(changes.positions.len());
+    let mut next = 0u32;
+    for &p in &changes.positions {
+        gaps.push(p - next);
+        next = p + 1;
+    }
+    let k = best_rice_parameter(&gaps, u64::from(next), gaps.len() as u64);
+    let mut bits = BitWriter::new();
+    for &g in &gaps {
+        put_rice(&mut bits, u64::from(g), k);
+    }
+    let mut out = vec![k as u8];
+    put_stream(&mut out, &bits.finish(), level);
+    put_planes(&mut out, &planes_of(&changes.values, width), level);
+    out
+}
+
+/// The positions of `m` changes in a chunk of `n` elements from their Rice
+/// codes with parameter `k`.
+fn positions_from_rice(bits: &[u8], k: u32, m: usize, n: usize, context: &str) -> Result<Vec<u32>> {
+    let bad = |detail: &str| Error::corrupt(context, detail.to_string());
+    let mut reader = BitReader::new(bits);
+    let mut positions = Vec::with_capacity(m);
+    let mut next = 0u64;
+    for _ in 0..m {
+        let gap = get_rice(&mut reader, k).ok_or_else(|| bad("position stream ends early"))?;
+        let p = next.checked_add(gap).filter(|&p| p < n as u64).ok_or_else(|| bad("positions beyond the chunk's elements"))?;
+        positions.push(p as u32);
+        next = p + 1;
+    }
+    if reader.unread_bits() >= 8 {
+        return Err(bad("position stream runs on past its last change"));
+    }
+    Ok(positions)
 }
 
 /// The gap bytes of ascending positions (gap = elements skipped since the
@@ -413,6 +471,9 @@ pub fn encode_changes(
     };
     if density <= 0.30 {
         consider(Encoding::Sparse, encode_sparse(changes, width, level), &mut best);
+        if m <= RICE_MAX_CHANGES {
+            consider(Encoding::Rice, encode_rice(changes, width, level), &mut best);
+        }
     }
     if (0.25..=0.90).contains(&density) {
         consider(Encoding::Bitmap, encode_bitmap(changes, n, width, level), &mut best);
@@ -476,6 +537,19 @@ fn decode(payload: &[u8], n: usize, width: usize, encoding: Encoding, n_changed:
             let planes = read_planes(&mut r, width, m)?;
             r.finish()?;
             let positions = positions_from_gaps(&gaps, &overflow, n, context)?;
+            Ok(Decoded::Sparse { positions, planes })
+        }
+        Encoding::Rice => {
+            let k = *payload.first().ok_or_else(|| Error::truncated(context, 1, 0))?;
+            if k > 31 {
+                return Err(Error::corrupt(context, format!("Rice parameter {k} (at most 31)")));
+            }
+            let mut r = StreamReader::new(&payload[1..], context);
+            // A Rice code takes at most 64 bits.
+            let bits = r.next("positions", 0, 8 * m)?;
+            let planes = read_planes(&mut r, width, m)?;
+            r.finish()?;
+            let positions = positions_from_rice(&bits, u32::from(k), m, n, context)?;
             Ok(Decoded::Sparse { positions, planes })
         }
         Encoding::Bitmap => {

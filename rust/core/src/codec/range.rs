@@ -1,11 +1,70 @@
 //! An adaptive binary range coder (the classic 11-bit-probability,
 //! carry-propagating design of LZMA): each binary decision is coded with a
 //! probability that adapts to what it has seen in its context.
+//!
+//! Unlike LZMA's, a context learns fast while it is young: each decision
+//! moves its probability `1 / 2^shift` of the way to the outcome, with
+//! `shift = min(5, floor(log2(n + 2)))` after the context has coded `n`
+//! symbols ([`Rate::after`]): halfway at first, LZMA's 1/32 from the 30th
+//! symbol on. A context with a few dozen symbols then costs close to what
+//! its counts say instead of paying for a slow start from one half
+//! (measured on the ulp steps of small chunks: 1.55 -> 1.45 bits per
+//! change). The count is kept per context, not per probability, so it
+//! costs a few instructions per symbol rather than per decision.
 
 pub const PROB_BITS: u32 = 11;
+/// Probability one half.
 pub const PROB_INIT: u16 = 1 << (PROB_BITS - 1);
-const MOVE_BITS: u32 = 5;
 const TOP: u32 = 1 << 24;
+/// The count at which a context's rate settles.
+pub const SETTLED_AFTER: u16 = 30;
+
+/// How far a decision moves its probability towards the outcome:
+/// `1 / 2^shift` of the way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rate(u32);
+
+impl Rate {
+    /// The rate for a context that has coded `n` symbols before this one:
+    /// `min(5, floor(log2(n + 2)))`.
+    ///
+    /// Under this schedule a probability never comes closer than 14/2048 to
+    /// 0 or 1, whatever the outcomes (a probability's k-th update happens
+    /// at a context count of at least k, so it moves at most as fast as one
+    /// updated at every symbol, which stops 14 short), so one
+    /// renormalisation step always suffices (see `RangeDecoder::normalize`).
+    #[inline(always)]
+    pub fn after(n: u16) -> Rate {
+        const SHIFT: [u8; SETTLED_AFTER as usize + 1] = {
+            let mut t = [5u8; SETTLED_AFTER as usize + 1];
+            let mut n = 0;
+            while n < t.len() {
+                t[n] = (usize::BITS - 1 - (n + 2).leading_zeros()) as u8;
+                n += 1;
+            }
+            t
+        };
+        Rate(u32::from(SHIFT[usize::from(n.min(SETTLED_AFTER))]))
+    }
+
+    /// The rate for the next symbol of a context whose count is `count`,
+    /// which it then advances (saturating at `SETTLED_AFTER`).
+    #[inline(always)]
+    pub fn advance(count: &mut u16) -> Rate {
+        let n = *count;
+        *count = n + u16::from(n < SETTLED_AFTER);
+        Rate::after(n)
+    }
+}
+
+/// The probability after a decision: `up` towards 0 when `zero`, `down`
+/// when `one` (masks, at most one set; neither for a decision not taken).
+#[inline(always)]
+fn adapted(p: u32, rate: Rate, zero: u32, one: u32) -> u16 {
+    let up = ((1 << PROB_BITS) - p) >> rate.0;
+    let down = p >> rate.0;
+    p.wrapping_add(up & zero).wrapping_sub(down & one) as u16
+}
 
 pub struct RangeEncoder {
     low: u64,
@@ -46,16 +105,16 @@ impl RangeEncoder {
     }
 
     #[inline(always)]
-    pub fn bit(&mut self, prob: &mut u16, bit: bool) {
+    pub fn bit(&mut self, prob: &mut u16, bit: bool, rate: Rate) {
         let p = u32::from(*prob);
         let bound = (self.range >> PROB_BITS) * p;
         if !bit {
             self.range = bound;
-            *prob = (p + (((1 << PROB_BITS) - p) >> MOVE_BITS)) as u16;
+            *prob = adapted(p, rate, u32::MAX, 0);
         } else {
             self.low += u64::from(bound);
             self.range -= bound;
-            *prob = (p - (p >> MOVE_BITS)) as u16;
+            *prob = adapted(p, rate, 0, u32::MAX);
         }
         self.normalize();
     }
@@ -73,15 +132,15 @@ impl RangeEncoder {
 
     /// The same decision, branch-free: for coin tosses such as signs.
     #[inline(always)]
-    pub fn bit_unpredictable(&mut self, prob: &mut u16, bit: bool) {
-        self.bit_masked(prob, bit, true);
+    pub fn bit_unpredictable(&mut self, prob: &mut u16, bit: bool, rate: Rate) {
+        self.bit_masked(prob, bit, true, rate);
     }
 
     /// A branch-free decision coded only when `active` (otherwise nothing
     /// changes): the decoder reads it with `bit_masked` (or `bit` when it
     /// knows `active`).
     #[inline(always)]
-    pub fn bit_masked(&mut self, prob: &mut u16, bit: bool, active: bool) {
+    pub fn bit_masked(&mut self, prob: &mut u16, bit: bool, active: bool, rate: Rate) {
         let p = u32::from(*prob);
         let bound = (self.range >> PROB_BITS) * p;
         let act = u32::from(active).wrapping_neg();
@@ -89,9 +148,7 @@ impl RangeEncoder {
         let zero = !u32::from(bit).wrapping_neg() & act;
         self.low += u64::from(bound & one);
         self.range = (bound & zero) | (self.range.wrapping_sub(bound) & one) | (self.range & !act);
-        let up = ((1 << PROB_BITS) - p) >> MOVE_BITS;
-        let down = p >> MOVE_BITS;
-        *prob = p.wrapping_add(up & zero).wrapping_sub(down & one) as u16;
+        *prob = adapted(p, rate, zero, one);
         self.normalize();
     }
 
@@ -137,9 +194,10 @@ impl<'a> RangeDecoder<'a> {
     }
 
     /// At most one byte is ever needed: before a decision `range >= 2^24`,
-    /// and a probability stays within 31..=2017 (of 2048) under the update
-    /// rule, so both outcomes leave `range >= (2^24 >> 11) * 31 > 2^16`; a
-    /// direct bit halves the range, leaving `>= 2^23`.
+    /// and a probability stays within 14..=2034 (of 2048) under the update
+    /// rule ([`Rate::after`]), so both outcomes leave
+    /// `range >= (2^24 >> 11) * 14 > 2^16`; a direct bit halves the range,
+    /// leaving `>= 2^23`.
     #[inline(always)]
     fn normalize(&mut self) {
         if self.range < TOP {
@@ -155,17 +213,17 @@ impl<'a> RangeDecoder<'a> {
     /// A decision whose outcome is usually the likely one: branches, which
     /// cost little when predicted (a short dependency chain).
     #[inline(always)]
-    pub fn bit(&mut self, prob: &mut u16) -> bool {
+    pub fn bit(&mut self, prob: &mut u16, rate: Rate) -> bool {
         let p = u32::from(*prob);
         let bound = (self.range >> PROB_BITS) * p;
         let bit = if self.code < bound {
             self.range = bound;
-            *prob = (p + (((1 << PROB_BITS) - p) >> MOVE_BITS)) as u16;
+            *prob = adapted(p, rate, u32::MAX, 0);
             false
         } else {
             self.code -= bound;
             self.range -= bound;
-            *prob = (p - (p >> MOVE_BITS)) as u16;
+            *prob = adapted(p, rate, 0, u32::MAX);
             true
         };
         self.normalize();
@@ -175,15 +233,15 @@ impl<'a> RangeDecoder<'a> {
     /// The same decision, branch-free (both outcomes computed, one selected
     /// by a mask): for decisions close to a coin toss, such as signs.
     #[inline(always)]
-    pub fn bit_unpredictable(&mut self, prob: &mut u16) -> bool {
-        self.bit_masked(prob, true)
+    pub fn bit_unpredictable(&mut self, prob: &mut u16, rate: Rate) -> bool {
+        self.bit_masked(prob, true, rate)
     }
 
     /// A decision read only when `active` (else `false`, nothing read), the
     /// decoder's side of `RangeEncoder::bit_masked`: branch-free, for a
     /// decision that follows an unpredictable one.
     #[inline(always)]
-    pub fn bit_masked(&mut self, prob: &mut u16, active: bool) -> bool {
+    pub fn bit_masked(&mut self, prob: &mut u16, active: bool, rate: Rate) -> bool {
         let p = u32::from(*prob);
         let bound = (self.range >> PROB_BITS) * p;
         let act = u32::from(active).wrapping_neg();
@@ -192,9 +250,7 @@ impl<'a> RangeDecoder<'a> {
         let zero = !one & act;
         self.range = (bound & zero) | (self.range.wrapping_sub(bound) & one) | (self.range & !act);
         self.code = self.code.wrapping_sub(bound & one);
-        let up = ((1 << PROB_BITS) - p) >> MOVE_BITS;
-        let down = p >> MOVE_BITS;
-        *prob = p.wrapping_add(up & zero).wrapping_sub(down & one) as u16;
+        *prob = adapted(p, rate, zero, one);
         self.normalize();
         bit
     }
@@ -229,7 +285,7 @@ mod tests {
         for i in 0..20_000 {
             x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             let bit = (x >> 33).is_multiple_of(10);
-            e.bit(&mut probs[i % 4], bit);
+            e.bit(&mut probs[i % 4], bit, Rate::after(i as u16));
             e.direct(x >> 40, 7);
             truth.push((bit, (x >> 40) & 0x7f));
         }
@@ -237,7 +293,7 @@ mod tests {
         let mut probs = [PROB_INIT; 4];
         let mut d = RangeDecoder::new(&out).unwrap();
         for (i, (bit, v)) in truth.into_iter().enumerate() {
-            assert_eq!(d.bit(&mut probs[i % 4]), bit);
+            assert_eq!(d.bit(&mut probs[i % 4], Rate::after(i as u16)), bit);
             assert_eq!(d.direct(7), v);
         }
         assert!(!d.overrun());
@@ -252,17 +308,17 @@ mod tests {
         for _ in 0..20_000 {
             x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             let (active, bit) = (!(x >> 40).is_multiple_of(3), (x >> 50).is_multiple_of(4));
-            e.bit_unpredictable(&mut probs[0], active);
-            e.bit_masked(&mut probs[1], bit, active);
+            e.bit_unpredictable(&mut probs[0], active, Rate::after(5));
+            e.bit_masked(&mut probs[1], bit, active, Rate::after(40));
             truth.push((active, bit));
         }
         let out = e.finish();
         let mut probs = [PROB_INIT; 2];
         let mut d = RangeDecoder::new(&out).unwrap();
         for &(active, bit) in &truth {
-            assert_eq!(d.bit_unpredictable(&mut probs[0]), active);
+            assert_eq!(d.bit_unpredictable(&mut probs[0], Rate::after(5)), active);
             if active {
-                assert_eq!(d.bit(&mut probs[1]), bit);
+                assert_eq!(d.bit(&mut probs[1], Rate::after(40)), bit);
             }
         }
         assert!(!d.overrun());
@@ -270,9 +326,50 @@ mod tests {
         let mut probs = [PROB_INIT; 2];
         let mut d = RangeDecoder::new(&out).unwrap();
         for &(active, bit) in &truth {
-            assert_eq!(d.bit_unpredictable(&mut probs[0]), active);
-            assert_eq!(d.bit_masked(&mut probs[1], active), active && bit);
+            assert_eq!(d.bit_unpredictable(&mut probs[0], Rate::after(5)), active);
+            assert_eq!(d.bit_masked(&mut probs[1], active, Rate::after(40)), active && bit);
         }
         assert!(!d.overrun());
+    }
+
+    #[test]
+    fn rates_start_fast_and_settle_at_lzmas() {
+        let shifts: Vec<u32> = (0..40).map(|n| Rate::after(n).0).collect();
+        assert_eq!(&shifts[..8], &[1, 1, 2, 2, 2, 2, 3, 3]);
+        assert_eq!(shifts[13..15], [3, 4]);
+        assert_eq!(shifts[29..31], [4, 5]);
+        assert!(shifts[30..].iter().all(|&s| s == 5));
+        let mut count = 0u16;
+        let advanced: Vec<u32> = (0..40).map(|_| Rate::advance(&mut count).0).collect();
+        assert_eq!(advanced, shifts);
+        assert_eq!(count, SETTLED_AFTER);
+    }
+
+    /// The bound the renormalisation relies on: under the schedule, no run
+    /// of outcomes takes a probability within 14 of 0 or 2048, even one
+    /// updated at every symbol of its context (the fastest any moves).
+    #[test]
+    fn probabilities_stay_clear_of_the_edges() {
+        let mut x = 7u64;
+        for pattern in 0..6u64 {
+            let mut p = PROB_INIT;
+            let (mut lo, mut hi) = (u32::MAX, 0u32);
+            for n in 0..5000u16 {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let one = match pattern {
+                    0 => false,
+                    1 => true,
+                    2 => n < 200,
+                    3 => n >= 29,
+                    4 => (x >> 33).is_multiple_of(50),
+                    _ => !(x >> 33).is_multiple_of(50),
+                };
+                let mask = u32::MAX;
+                p = if one { adapted(p.into(), Rate::after(n), 0, mask) } else { adapted(p.into(), Rate::after(n), mask, 0) };
+                lo = lo.min(p.into());
+                hi = hi.max(p.into());
+            }
+            assert!(lo >= 14 && hi <= 2034, "pattern {pattern}: {lo}..={hi}");
+        }
     }
 }

@@ -191,10 +191,14 @@ fn special_float_patterns_are_exact() {
 
 #[test]
 fn sparse_chunk_picks_sparse_and_large_gaps_escape() {
+    // More changes than Rice is tried for, with gaps of 255 and more.
     let n = 1 << 16;
     let old = vec![0u8; n * 2];
     let mut new = old.clone();
-    for p in [0usize, 1, 300, 70_000 / 2, n - 1] {
+    let mut changed: Vec<usize> = (0..n / 2).step_by(30).collect();
+    changed.extend([n / 2 + 300, n / 2 + 20_000, n - 1]);
+    assert!(changed.len() > super::RICE_MAX_CHANGES);
+    for &p in &changed {
         new[p * 2] = 1;
     }
     let c = encode_chunk(&old, &new, 2, EncodeOptions::default()).unwrap().unwrap();
@@ -202,6 +206,38 @@ fn sparse_chunk_picks_sparse_and_large_gaps_escape() {
     let mut t = old.clone();
     apply_chunk(&mut t, 2, ChangeKind::Xor, c.encoding, c.n_changed, &c.payload, "t").unwrap();
     assert_eq!(t, new);
+}
+
+#[test]
+fn a_few_changes_pick_rice_and_far_gaps_escape() {
+    let n = 1 << 16;
+    let old = vec![0u8; n * 2];
+    let mut new = old.clone();
+    for p in [0usize, 1, 300, 70_000 / 2, n - 1] {
+        new[p * 2] = 1;
+    }
+    for kind in [ChangeKind::Xor, ChangeKind::Overwrite] {
+        let c = encode_chunk(&old, &new, 2, EncodeOptions { kind, zstd_level: 1 }).unwrap().unwrap();
+        assert_eq!(c.encoding, Encoding::Rice);
+        let found = find_changes(&old, &new, 2, kind).unwrap();
+        assert!(c.payload.len() < super::encode_sparse(&found, 2, 1).len());
+        let mut t = old.clone();
+        apply_chunk(&mut t, 2, kind, c.encoding, c.n_changed, &c.payload, "t").unwrap();
+        assert_eq!(t, new);
+        // Every cut and every flipped bit of the payload is refused or, where
+        // the damage still decodes, never panics.
+        for cut in 0..c.payload.len() {
+            let mut t = old.clone();
+            assert!(apply_chunk(&mut t, 2, kind, c.encoding, c.n_changed, &c.payload[..cut], "t").is_err(), "cut at {cut}");
+            assert_eq!(t, old);
+        }
+        for bit in 0..c.payload.len() * 8 {
+            let mut bad = c.payload.clone();
+            bad[bit / 8] ^= 1 << (bit % 8);
+            let mut t = old.clone();
+            let _ = apply_chunk(&mut t, 2, kind, c.encoding, c.n_changed, &bad, "t");
+        }
+    }
 }
 
 #[test]

@@ -1,0 +1,172 @@
+//! Bit streams (least significant bit first) and Rice codes of gaps: the
+//! positions of the context-aware mode, and of small chunks in the
+//! context-free mode, where a Rice code beats zstd's Huffman table.
+
+pub(super) struct BitWriter {
+    out: Vec<u8>,
+    acc: u64,
+    n: u32,
+}
+
+impl BitWriter {
+    pub(super) fn new() -> Self {
+        BitWriter { out: Vec::new(), acc: 0, n: 0 }
+    }
+    /// Append the `bits <= 32` low bits of `value`, least significant first.
+    #[inline(always)]
+    pub(super) fn put(&mut self, value: u64, bits: u32) {
+        debug_assert!(bits <= 32 && self.n < 32);
+        self.acc |= (value & ((1u64 << bits) - 1)) << self.n;
+        self.n += bits;
+        if self.n >= 32 {
+            self.out.extend_from_slice(&(self.acc as u32).to_le_bytes());
+            self.acc >>= 32;
+            self.n -= 32;
+        }
+    }
+    pub(super) fn finish(mut self) -> Vec<u8> {
+        while self.n > 0 {
+            self.out.push(self.acc as u8);
+            self.acc >>= 8;
+            self.n = self.n.saturating_sub(8);
+        }
+        self.out
+    }
+}
+
+pub(super) struct BitReader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+    acc: u64,
+    n: u32,
+}
+
+impl<'a> BitReader<'a> {
+    pub(super) fn new(buf: &'a [u8]) -> Self {
+        BitReader { buf, pos: 0, acc: 0, n: 0 }
+    }
+    /// Top up `acc` to more than 55 bits while the buffer lasts. Bits of
+    /// `acc` above `n` may hold the bytes that follow (never anything
+    /// else), so OR-ing those bytes in again leaves them unchanged. Away
+    /// from the end of the buffer this is branch-free: eight bytes are
+    /// loaded and as many whole bytes as fit are counted (`n <= 63` there).
+    #[inline(always)]
+    fn refill(&mut self) {
+        if let Some(next) = self.buf.get(self.pos..self.pos + 8) {
+            let bytes = u64::from_le_bytes(next.try_into().expect("8 bytes"));
+            self.acc |= bytes << self.n;
+            let take = (63 - self.n) / 8;
+            self.pos += take as usize;
+            self.n += take * 8;
+            return;
+        }
+        while self.n <= 56 && self.pos < self.buf.len() {
+            self.acc |= u64::from(self.buf[self.pos]) << self.n;
+            self.pos += 1;
+            self.n += 8;
+        }
+    }
+    /// Bits of the buffer not yet read.
+    pub(super) fn unread_bits(&self) -> usize {
+        (self.buf.len() - self.pos) * 8 + self.n as usize
+    }
+    #[inline(always)]
+    pub(super) fn get(&mut self, bits: u32) -> Option<u64> {
+        if self.n < bits {
+            self.refill();
+            if self.n < bits {
+                return None;
+            }
+        }
+        let v = self.acc & ((1u64 << bits) - 1);
+        self.acc >>= bits;
+        self.n -= bits;
+        Some(v)
+    }
+}
+
+const RICE_ESCAPE: u64 = 32;
+
+#[inline(always)]
+pub(super) fn put_rice(w: &mut BitWriter, g: u64, k: u32) {
+    let q = g >> k;
+    if q >= RICE_ESCAPE {
+        w.put((1 << RICE_ESCAPE) - 1, RICE_ESCAPE as u32);
+        w.put(g, 32);
+    } else if q as u32 + 1 + k <= 32 {
+        // q ones, a zero, then the k low bits: one write
+        let low = g & ((1u64 << k) - 1);
+        w.put(((1u64 << q) - 1) | (low << (q + 1)), q as u32 + 1 + k);
+    } else {
+        w.put((1u64 << q) - 1, q as u32 + 1);
+        w.put(g, k);
+    }
+}
+
+#[inline(always)]
+pub(super) fn get_rice(r: &mut BitReader<'_>, k: u32) -> Option<u64> {
+    // Fast path: the unary part and its terminating zero are among the
+    // buffered bits.
+    r.refill();
+    let ones = (!r.acc).trailing_zeros();
+    let used = ones + 1 + k; // at most 31 + 1 + 31 bits
+    if u64::from(ones) < RICE_ESCAPE && used <= r.n {
+        let low = (r.acc >> (ones + 1)) & ((1u64 << k) - 1);
+        r.acc >>= used;
+        r.n -= used;
+        return Some((u64::from(ones) << k) | low);
+    }
+    let mut q = 0u64;
+    while r.get(1)? == 1 {
+        q += 1;
+        if q == RICE_ESCAPE {
+            return r.get(32);
+        }
+    }
+    let low = if k > 0 { r.get(k)? } else { 0 };
+    Some((q << k) | low)
+}
+
+/// The bits of the gaps as Rice codes with parameters `k0`, `k0 + 1` and
+/// `k0 + 2` (all below 32), in one pass.
+fn rice_costs(gaps: &[u32], k0: u32) -> [u64; 3] {
+    let mut costs = [0u64; 3];
+    for &g in gaps {
+        for (i, cost) in costs.iter_mut().enumerate() {
+            let k = k0 + i as u32;
+            let q = u64::from(g) >> k;
+            *cost += if q >= RICE_ESCAPE { RICE_ESCAPE + 32 } else { q + 1 + u64::from(k) };
+        }
+    }
+    costs
+}
+
+/// The Rice parameter that codes `gaps` (of `m` changes over `span`
+/// elements) in the fewest bits: three candidates around the one the mean
+/// gap suggests.
+pub(super) fn best_rice_parameter(gaps: &[u32], span: u64, m: u64) -> u32 {
+    let mean = (span - m) as f64 / m as f64;
+    let guess = if mean > 1.0 { (mean * std::f64::consts::LN_2).log2().max(0.0) as u32 } else { 0 };
+    let k0 = guess.saturating_sub(1).min(29);
+    let costs = rice_costs(gaps, k0);
+    k0 + (0..3).min_by_key(|&i| costs[i]).expect("three candidates") as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rice_round_trip_with_escape() {
+        let gaps = [0u64, 1, 5, 200, 1 << 31, 3];
+        let mut w = BitWriter::new();
+        for &g in &gaps {
+            put_rice(&mut w, g, 2);
+        }
+        let buf = w.finish();
+        let mut r = BitReader::new(&buf);
+        for &g in &gaps {
+            assert_eq!(get_rice(&mut r, 2), Some(g));
+        }
+    }
+}
