@@ -142,14 +142,15 @@ fn rice_costs(gaps: &[u32], k0: u32) -> [u64; 3] {
 }
 
 /// The Rice parameter that codes `gaps` (of `m` changes over `span`
-/// elements) in the fewest bits: three candidates around the one the mean
-/// gap suggests.
-pub(super) fn best_rice_parameter(gaps: &[u32], span: u64, m: u64) -> u32 {
+/// elements) in the fewest bits, and those bits: three candidates around
+/// the one the mean gap suggests.
+pub(super) fn best_rice_parameter(gaps: &[u32], span: u64, m: u64) -> (u32, u64) {
     let mean = (span - m) as f64 / m as f64;
     let guess = if mean > 1.0 { (mean * std::f64::consts::LN_2).log2().max(0.0) as u32 } else { 0 };
     let k0 = guess.saturating_sub(1).min(29);
     let costs = rice_costs(gaps, k0);
-    k0 + (0..3).min_by_key(|&i| costs[i]).expect("three candidates") as u32
+    let best = (0..3).min_by_key(|&i| costs[i]).expect("three candidates");
+    (k0 + best as u32, costs[best])
 }
 
 #[cfg(test)]

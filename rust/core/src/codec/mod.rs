@@ -27,7 +27,7 @@ mod x86;
 use crate::digest::{DigestMoves, DigestSum};
 pub use scan::{find_changes, find_changes_tracked};
 use crate::error::{Error, Result};
-use streams::{get_varint, put_mostly_zero, put_stream, put_symbols, put_varint, StreamReader};
+use streams::{get_varint, put_mostly_zero, put_stored, put_stream, put_symbols, put_varint, StreamReader};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
@@ -274,13 +274,20 @@ fn put_planes(out: &mut Vec<u8>, planes: &[Vec<u8>], level: i32) {
     }
 }
 
-fn encode_sparse(changes: &SparseChanges, width: usize, level: i32) -> Vec<u8> {
-    let (gaps, overflow) = gap_streams(&changes.positions);
+/// A sparse payload's position streams (its planes follow).
+fn sparse_positions(positions: &[u32], level: i32) -> Vec<u8> {
+    let (gaps, overflow) = gap_streams(positions);
     let mut out = Vec::new();
     put_symbols(&mut out, &gaps, level);
     put_stream(&mut out, &overflow, level);
-    put_planes(&mut out, &planes_of(&changes.values, width), level);
     out
+}
+
+/// A payload of one of the encodings that list the changes (sparse, rice,
+/// bitmap): its position part, then the value planes all three share.
+fn with_planes(mut positions: Vec<u8>, planes: &[u8]) -> Vec<u8> {
+    positions.extend_from_slice(planes);
+    positions
 }
 
 /// Chunks with at most this many changes also try `Encoding::Rice`: there
@@ -289,21 +296,22 @@ fn encode_sparse(changes: &SparseChanges, width: usize, level: i32) -> Vec<u8> {
 /// faster (SIMD prefix sums against one Rice code at a time).
 const RICE_MAX_CHANGES: usize = 1024;
 
-fn encode_rice(changes: &SparseChanges, width: usize, level: i32) -> Vec<u8> {
-    let mut gaps = Vec::with_capacity(changes.positions.len());
+/// A rice payload's position part (its planes follow): the Rice codes are
+/// stored, as zstd finds nothing in them.
+fn rice_positions(positions: &[u32]) -> Vec<u8> {
+    let mut gaps = Vec::with_capacity(positions.len());
     let mut next = 0u32;
-    for &p in &changes.positions {
+    for &p in positions {
         gaps.push(p - next);
         next = p + 1;
     }
-    let k = best_rice_parameter(&gaps, u64::from(next), gaps.len() as u64);
+    let (k, _) = best_rice_parameter(&gaps, u64::from(next), gaps.len() as u64);
     let mut bits = BitWriter::new();
     for &g in &gaps {
         put_rice(&mut bits, u64::from(g), k);
     }
     let mut out = vec![k as u8];
-    put_stream(&mut out, &bits.finish(), level);
-    put_planes(&mut out, &planes_of(&changes.values, width), level);
+    put_stored(&mut out, &bits.finish());
     out
 }
 
@@ -366,14 +374,14 @@ fn gap_streams_any(positions: &[u32]) -> (Vec<u8>, Vec<u8>) {
     (gaps, overflow)
 }
 
-fn encode_bitmap(changes: &SparseChanges, n: usize, width: usize, level: i32) -> Vec<u8> {
+/// A bitmap payload's position part (its planes follow).
+fn bitmap_positions(positions: &[u32], n: usize, level: i32) -> Vec<u8> {
     let mut bitmap = vec![0u8; n.div_ceil(8)];
-    for &p in &changes.positions {
+    for &p in positions {
         bitmap[p as usize / 8] |= 1 << (p % 8);
     }
     let mut out = Vec::new();
     put_symbols(&mut out, &bitmap, level);
-    put_planes(&mut out, &planes_of(&changes.values, width), level);
     out
 }
 
@@ -469,14 +477,20 @@ pub fn encode_changes(
             *best = Some((enc, payload));
         }
     };
-    if density <= 0.30 {
-        consider(Encoding::Sparse, encode_sparse(changes, width, level), &mut best);
-        if m <= RICE_MAX_CHANGES {
-            consider(Encoding::Rice, encode_rice(changes, width, level), &mut best);
+    if density <= 0.90 {
+        // The value planes, compressed once for the encodings that list changes.
+        let mut planes = Vec::new();
+        put_planes(&mut planes, &planes_of(&changes.values, width), level);
+        let positions = &changes.positions;
+        if density <= 0.30 {
+            consider(Encoding::Sparse, with_planes(sparse_positions(positions, level), &planes), &mut best);
+            if m <= RICE_MAX_CHANGES {
+                consider(Encoding::Rice, with_planes(rice_positions(positions), &planes), &mut best);
+            }
         }
-    }
-    if (0.25..=0.90).contains(&density) {
-        consider(Encoding::Bitmap, encode_bitmap(changes, n, width, level), &mut best);
+        if density >= 0.25 {
+            consider(Encoding::Bitmap, with_planes(bitmap_positions(positions, n, level), &planes), &mut best);
+        }
     }
     if density >= 0.25 {
         let values = dense();

@@ -126,26 +126,63 @@ fn put_tuned(out: &mut Vec<u8>, data: &[u8], tuning: Tuning) {
 /// `put_stream` does. zstd spends about 4 bytes on each isolated nonzero
 /// byte of such a stream (a literal and a sequence); this spends about 2.
 pub fn put_mostly_zero(out: &mut Vec<u8>, data: &[u8], zstd_level: i32) {
-    let nonzero = data.iter().filter(|&&b| b != 0).count();
+    let nonzero = count_nonzero(data);
     if data.len() < 16 || nonzero * 8 > data.len() {
         return put_stream(out, data, zstd_level);
     }
-    let mut sparse = vec![NONZERO];
+    let mut packed = Vec::new();
+    put_stream(&mut packed, data, zstd_level);
+    // The nonzero form takes at least two bytes per nonzero byte.
+    if 2 * nonzero + 4 >= packed.len() {
+        out.extend_from_slice(&packed);
+        return;
+    }
+    let mut sparse = Vec::with_capacity(2 * nonzero + 16);
+    sparse.push(NONZERO);
     put_varint(&mut sparse, data.len() as u64);
     put_varint(&mut sparse, nonzero as u64);
+    let mut values = Vec::with_capacity(nonzero);
     let mut next = 0usize; // the index after the previous nonzero byte
-    for (i, _) in data.iter().enumerate().filter(|(_, &b)| b != 0) {
+    let mut note = |i: usize, b: u8| {
         let gap = i - next;
         sparse.push(gap.min(255) as u8);
         if gap >= 255 {
             put_varint(&mut sparse, (gap - 255) as u64);
         }
+        values.push(b);
         next = i + 1;
+    };
+    // Eight bytes at a time: most words are zero.
+    let words = data.chunks_exact(8);
+    let tail_start = data.len() - words.remainder().len();
+    for (w, word) in words.enumerate() {
+        let mut flags = nonzero_flags(u64::from_le_bytes(word.try_into().expect("8 bytes")));
+        while flags != 0 {
+            let j = flags.trailing_zeros() as usize / 8;
+            flags &= flags - 1;
+            note(w * 8 + j, word[j]);
+        }
     }
-    sparse.extend(data.iter().filter(|&&b| b != 0));
-    let mut packed = Vec::new();
-    put_stream(&mut packed, data, zstd_level);
+    for (i, &b) in data.iter().enumerate().skip(tail_start).filter(|(_, &b)| b != 0) {
+        note(i, b);
+    }
+    sparse.extend_from_slice(&values);
     out.extend_from_slice(if sparse.len() < packed.len() { &sparse } else { &packed });
+}
+
+/// The top bit of each byte of `w` set where that byte is not zero.
+#[inline(always)]
+fn nonzero_flags(w: u64) -> u64 {
+    const LOW7: u64 = 0x7f7f_7f7f_7f7f_7f7f;
+    (((w & LOW7) + LOW7) | w) & !LOW7
+}
+
+/// How many bytes of `data` are not zero, eight at a time.
+fn count_nonzero(data: &[u8]) -> usize {
+    let words = data.chunks_exact(8);
+    let tail = words.remainder().iter().filter(|&&b| b != 0).count();
+    let whole: u32 = words.map(|w| nonzero_flags(u64::from_le_bytes(w.try_into().expect("8 bytes"))).count_ones()).sum();
+    whole as usize + tail
 }
 
 /// A `NONZERO` stream's body after its length: `count` then the gaps and
@@ -278,6 +315,20 @@ mod tests {
         let out = r.next("plane", 0, max_len)?;
         r.finish()?;
         Ok(out)
+    }
+
+    #[test]
+    fn nonzero_bytes_are_counted_eight_at_a_time() {
+        let mut x = 1u64;
+        for len in [0usize, 1, 7, 8, 9, 63, 64, 1000] {
+            let data: Vec<u8> = (0..len)
+                .map(|_| {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    [0u8, 0, 0, 1, 0x80, 0x7f, 0xff][(x >> 60) as usize % 7]
+                })
+                .collect();
+            assert_eq!(count_nonzero(&data), data.iter().filter(|&&b| b != 0).count(), "{len} bytes");
+        }
     }
 
     #[test]
