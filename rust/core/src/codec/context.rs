@@ -7,8 +7,9 @@
 //!   steps, whether an element changes depends strongly on it.
 //! - **Positions**: per context, the changes are gap-coded within that
 //!   context's own subsequence of elements, with a Rice code whose parameter
-//!   is chosen per context (or, in dense contexts, one flag bit per element
-//!   up to the context's last change).
+//!   is chosen per context, or, in dense contexts where that is estimated
+//!   to be cheaper, as one range-coded flag per element up to the
+//!   context's last change.
 //! - **Values**: the distance between old and new in representable steps
 //!   (ulps; exact integer arithmetic on an order-preserving map of the bit
 //!   pattern), in element order: the signs as raw bits (a coin toss), the
@@ -20,16 +21,16 @@
 //! No sorting. Exact for every bit pattern: the ordinal map is a bijection
 //! on words.
 //!
-//! Speed: the element-at-a-time walks (a counter per context on the
-//! encoder, a countdown per context on the decoder) are kept as the
-//! portable path and the tests' oracle. On x86-64 with AVX2 and a fast
-//! BMI2 (`codec::x86`) both sides work 64 elements at a time: the encoder
-//! counts each context's elements with one compare and popcount per
-//! context present in a block; the decoder first turns each context's
-//! position stream into a bitmap over the context's own elements, then
+//! Speed: the decoder first turns each context's positions into a bitmap
+//! over the context's own elements, then expands the bitmaps into element
+//! order, and last decodes the ulp steps of the changes it found, in
+//! element order. The element-at-a-time walks (a counter per context on
+//! both sides) are kept as the portable path and the tests' oracle. On
+//! x86-64 with AVX2 and a fast BMI2 (`codec::x86`) both sides work 64 or
+//! 256 elements at a time: the encoder counts each context's elements with
+//! one compare and popcount per context present in a block; the decoder
 //! deposits the next flags of each context present onto its elements with
-//! `pdep`, and last decodes the ulp steps of the changes it found, in
-//! element order.
+//! `pdep`.
 
 use super::bits::{best_rice_parameter, get_rice, put_rice, BitReader, BitWriter};
 use super::range::{RangeDecoder, RangeEncoder, Rate, PROB_INIT};
@@ -786,6 +787,41 @@ mod tests {
                     assert_eq!(run(kernel), found.positions, "{kernel:?}: {dtype:?}, {n} elements, 1 in {every} changed");
                 }
             }
+        }
+    }
+
+    /// A bf16 chunk where the smallest values change in runs (their flags
+    /// are range-coded) and the larger ones rarely (Rice codes): both
+    /// position modes appear in the table, and both decoders give back the
+    /// changes exactly.
+    #[test]
+    fn dense_contexts_code_flags_and_sparse_ones_rice() {
+        let model = ContextModel::for_dtype(DType(Dtype::BF16));
+        let mut next = super::super::tests::xorshift(0x2545_f491_4f6c_dd1d);
+        let n = 20_000usize;
+        let mut old = Vec::with_capacity(2 * n);
+        let mut new = Vec::with_capacity(2 * n);
+        for i in 0..n {
+            let r = next();
+            // Exponent 100 (tiny values) for a third of the elements, 120 else.
+            let exponent: u16 = if i % 3 == 0 { 100 } else { 120 };
+            let word = (exponent << 7) | (r as u16 & 0x7f);
+            // Tiny values change in runs of 40 of every 50; the others 1 in 60.
+            let changes = if exponent == 100 { (i / 3) % 50 < 40 } else { r >> 40 & 63 == 0 };
+            let moved = if changes { word.wrapping_add(1 + (r >> 20 & 1) as u16) } else { word };
+            old.extend_from_slice(&word.to_le_bytes());
+            new.extend_from_slice(&moved.to_le_bytes());
+        }
+        let found = super::super::find_changes(&old, &new, 2, ChangeKind::Xor).unwrap();
+        let m = found.positions.len();
+        let payload = encode(&old, &new, &found, &model, 1);
+        let parsed = parse(&payload, m, model.contexts(), "t").unwrap();
+        let modes: Vec<(usize, u8)> = parsed.listed.iter().map(|l| (l.ctx, l.mode)).collect();
+        assert!(modes.contains(&(100, MODE_CODED_FLAGS)) && modes.contains(&(120, MODE_RICE)), "{modes:?}");
+        for kind in [ChangeKind::Xor, ChangeKind::Overwrite] {
+            let expected = super::super::find_changes(&old, &new, 2, kind).unwrap();
+            assert_eq!(decode(&payload, &old, &model, m as u32, kind, "t").unwrap(), expected);
+            assert_eq!(decode_reference(&payload, &old, &model, m as u32, kind, "t").unwrap(), expected);
         }
     }
 }
