@@ -359,7 +359,7 @@ mod tests {
     fn probabilities_never_reach_certainty() {
         let mut x = 7u64;
         for pattern in 0..6u64 {
-            for fixed_shift in [None, Some(1u16), Some(0), Some(30)] {
+            for fixed_count in [None, Some(1u16), Some(0), Some(30)] {
                 let mut p = PROB_INIT;
                 let (mut lo, mut hi) = (u32::MAX, 0u32);
                 for n in 0..5000u16 {
@@ -372,14 +372,15 @@ mod tests {
                         4 => (x >> 33).is_multiple_of(50),
                         _ => !(x >> 33).is_multiple_of(50),
                     };
-                    // The schedule, or one rate throughout (shift 1 at count 0).
-                    let rate = Rate::after(fixed_shift.unwrap_or(n));
+                    // The schedule, or one rate throughout (counts 0 and 1:
+                    // shift 1, the fastest; 30: LZMA's 5).
+                    let rate = Rate::after(fixed_count.unwrap_or(n));
                     let mask = u32::MAX;
                     p = if one { adapted(p.into(), rate, 0, mask) } else { adapted(p.into(), rate, mask, 0) };
                     lo = lo.min(p.into());
                     hi = hi.max(p.into());
                 }
-                assert!(lo >= 1 && hi <= 2047, "pattern {pattern}, {fixed_shift:?}: {lo}..={hi}");
+                assert!(lo >= 1 && hi <= 2047, "pattern {pattern}, {fixed_count:?}: {lo}..={hi}");
             }
         }
         // Extreme probabilities still code and decode (two renormalisation

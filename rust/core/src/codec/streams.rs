@@ -197,12 +197,15 @@ fn nonzero_bytes(body: &[u8], raw_len: usize, context: &str) -> Result<(Vec<u8>,
     let mut positions = Vec::with_capacity(count);
     let mut next = 0usize;
     for _ in 0..count {
-        let mut gap = usize::from(*body.get(pos).ok_or_else(|| bad("gaps cut off"))?);
+        let mut gap = u64::from(*body.get(pos).ok_or_else(|| bad("gaps cut off"))?);
         pos += 1;
         if gap == 255 {
-            gap += get_varint(body, &mut pos, 10).ok_or_else(|| bad("gaps cut off"))? as usize;
+            gap = get_varint(body, &mut pos, 10).ok_or_else(|| bad("gaps cut off"))?.saturating_add(255);
         }
-        let at = next.checked_add(gap).filter(|&a| a < raw_len).ok_or_else(|| bad("a nonzero byte beyond the stream's length"))?;
+        let at = (next as u64)
+            .checked_add(gap)
+            .filter(|&a| a < raw_len as u64)
+            .ok_or_else(|| bad("a nonzero byte beyond the stream's length"))? as usize;
         positions.push(at);
         next = at + 1;
     }
@@ -360,6 +363,14 @@ mod tests {
         put_varint(&mut len, 4999);
         tight.splice(1..1 + len.len(), len);
         assert!(read_back(&tight, data.len()).unwrap_err().to_string().contains("beyond"));
+        // An escaped gap as large as a varint holds: refused, not wrapped.
+        let mut huge = vec![NONZERO];
+        put_varint(&mut huge, 5000);
+        put_varint(&mut huge, 1);
+        huge.push(255);
+        put_varint(&mut huge, u64::MAX);
+        huge.push(7);
+        assert!(read_back(&huge, 5000).unwrap_err().to_string().contains("beyond"));
         // Dense data keeps the usual codecs.
         let dense: Vec<u8> = (0..5000u32).map(|i| (i % 7) as u8).collect();
         let mut stream = Vec::new();
