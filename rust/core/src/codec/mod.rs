@@ -478,18 +478,26 @@ pub fn encode_changes(
         }
     };
     if density <= 0.90 {
-        // The value planes, compressed once for the encodings that list changes.
-        let mut planes = Vec::new();
-        put_planes(&mut planes, &planes_of(&changes.values, width), level);
+        // The value planes are compressed once, after the first listing's
+        // positions, and copied behind the others' (which are small: Rice
+        // positions are tried on small chunks only, bitmaps on dense ones).
         let positions = &changes.positions;
-        if density <= 0.30 {
-            consider(Encoding::Sparse, with_planes(sparse_positions(positions, level), &planes), &mut best);
-            if m <= RICE_MAX_CHANGES {
-                consider(Encoding::Rice, with_planes(rice_positions(positions), &planes), &mut best);
+        let (first, mut payload) = if density <= 0.30 {
+            (Encoding::Sparse, sparse_positions(positions, level))
+        } else {
+            (Encoding::Bitmap, bitmap_positions(positions, n, level))
+        };
+        let planes_at = payload.len();
+        put_planes(&mut payload, &planes_of(&changes.values, width), level);
+        let planes = &payload[planes_at..];
+        let rice = (first == Encoding::Sparse && m <= RICE_MAX_CHANGES).then(|| with_planes(rice_positions(positions), planes));
+        let bitmap = (first == Encoding::Sparse && density >= 0.25)
+            .then(|| with_planes(bitmap_positions(positions, n, level), planes));
+        consider(first, payload, &mut best);
+        for (encoding, payload) in [(Encoding::Rice, rice), (Encoding::Bitmap, bitmap)] {
+            if let Some(payload) = payload {
+                consider(encoding, payload, &mut best);
             }
-        }
-        if density >= 0.25 {
-            consider(Encoding::Bitmap, with_planes(bitmap_positions(positions, n, level), &planes), &mut best);
         }
     }
     if density >= 0.25 {
