@@ -1,21 +1,21 @@
 //! Block-wise kernels of the context mode for x86-64 with AVX2 and BMI2:
 //! ranks (encoder) and positions (decoder).
 //!
-//! The chunk is walked in blocks of 64 elements. For each block the context
-//! of every element is computed into 64 bytes (two vectors); for each
-//! context present in the block (and with changes), one compare gives the
-//! mask `m` of its elements, `k = popcount(m)` of them. The encoder adds
-//! `k` to the context's count (a change's rank is the count plus the
-//! elements of its context before it in the block). The decoder takes the
-//! next `k` bits of the context's rank bitmap, its changed flags, and
-//! `pdep` deposits them onto `m`; the union over contexts marks the block's
-//! changed elements. No per-element branches and no per-element state in
-//! memory: the cost is set by the contexts per block, hardly by the number
-//! of changes.
+//! The chunk is walked in blocks of 64 elements. For each block the bucket
+//! of every element is computed into 64 bytes (two vectors: the context
+//! field, then one compare per bucket bound); for each bucket present in
+//! the block (and with changes), one compare gives the mask `m` of its
+//! elements, `k = popcount(m)` of them. The encoder adds `k` to the
+//! bucket's count (a change's rank is the count plus the elements of its
+//! bucket before it in the block). The decoder takes the next `k` bits of
+//! the bucket's rank bitmap, its changed flags, and `pdep` deposits them
+//! onto `m`; the union over buckets marks the block's changed elements. No
+//! per-element branches and no per-element state in memory: the cost is
+//! set by the buckets per block, hardly by the number of changes.
 //!
 //! Where the CPU also has AVX-512 (F and BW) both sides walk blocks of 256
 //! elements instead: one compare per 64 elements lands straight in a mask
-//! register, and the per-block work (the range of contexts present, the
+//! register, and the per-block work (the range of buckets present, the
 //! loop exit, which mispredicts) is paid a quarter as often. That made the
 //! whole context decode 10-15 % faster on the real pairs (Zen 4), and the
 //! context encode about 5 % on the one-step pairs (Intel Xeon; the encoder
@@ -28,7 +28,7 @@
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
-use super::context::{ContextModel, RankBitmaps};
+use super::context::{Buckets, ContextModel, RankBitmaps};
 use super::Word;
 
 /// Whether this CPU runs the block-wise decoder well: AVX2, BMI2 and
@@ -78,7 +78,7 @@ pub(super) enum Kernel {
     /// Blocks of 64 elements, AVX2 compares.
     Avx2,
     /// Blocks of 256 elements, AVX-512 compares into mask registers: a
-    /// quarter of the per-block work (context range, loop exit) per
+    /// quarter of the per-block work (bucket range, loop exit) per
     /// element.
     Avx512,
 }
@@ -90,12 +90,19 @@ pub(super) fn kernels_here() -> Vec<Kernel> {
     [(Kernel::Avx2, available()), (Kernel::Avx512, wide_available())].into_iter().filter(|k| k.1).map(|k| k.0).collect()
 }
 
-/// Expand the rank bitmaps of the `listed` contexts over the chunk `old`:
+/// Expand the rank bitmaps of the `listed` buckets over the chunk `old`:
 /// the changed positions, ascending. `positions` must hold the listed
 /// total of changes plus `SPARE` slots; it is cut to the changes found.
-pub(super) fn expand<T: Word>(old: &[u8], model: &ContextModel, listed: &[usize], maps: &RankBitmaps, positions: &mut Vec<u32>) {
+pub(super) fn expand<T: Word>(
+    old: &[u8],
+    model: &ContextModel,
+    buckets: &Buckets,
+    listed: &[usize],
+    maps: &RankBitmaps,
+    positions: &mut Vec<u32>,
+) {
     let kernel = if wide_available() { Kernel::Avx512 } else { Kernel::Avx2 };
-    expand_with::<T>(kernel, old, model, listed, maps, positions);
+    expand_with::<T>(kernel, old, model, buckets, listed, maps, positions);
 }
 
 /// `expand` with a given kernel (the tests hold the two to each other).
@@ -103,36 +110,63 @@ pub(super) fn expand_with<T: Word>(
     kernel: Kernel,
     old: &[u8],
     model: &ContextModel,
+    buckets: &Buckets,
     listed: &[usize],
     maps: &RankBitmaps,
     positions: &mut Vec<u32>,
 ) {
     assert!(available() && model.contexts() <= 256 && T::BYTES <= 4, "the caller checks the CPU and the model");
+    let walk = Walk::new(model, buckets);
     match kernel {
         // Safety: the CPU has the features `expand_avx2` is compiled for
         // (checked just above).
         #[allow(unsafe_code)]
-        Kernel::Avx2 => unsafe { expand_avx2::<T>(old, model, listed, maps, positions) },
+        Kernel::Avx2 => unsafe { expand_avx2::<T>(old, &walk, listed, maps, positions) },
         Kernel::Avx512 => {
             assert!(wide_available(), "the caller checks the CPU");
             // Safety: checked just above.
             #[allow(unsafe_code)]
             unsafe {
-                expand_avx512::<T, LANES>(old, model, listed, maps, positions)
+                expand_avx512::<T, LANES>(old, &walk, listed, maps, positions)
             }
         }
     }
 }
 
-/// Where each listed context's walk over its rank bitmap stands, for the
-/// expansion kernels; `None` when no context is listed.
+/// What the kernels need to find each element's bucket: the context field
+/// (`(word >> shift) & mask`) and the buckets' bounds, each below 256 here.
+/// A block's context bytes become bucket ids by one compare per bound.
+pub(super) struct Walk {
+    shift: u32,
+    mask: u8,
+    bounds: Vec<u8>,
+    /// Each context byte's bucket, for the kernels' scalar side.
+    of: [u8; 256],
+}
+
+impl Walk {
+    fn new(model: &ContextModel, buckets: &Buckets) -> Self {
+        let bounds = buckets.bounds.iter().map(|&b| u8::try_from(b).expect("at most 256 contexts")).collect();
+        let of = std::array::from_fn(|c| if c < model.contexts() { buckets.of(c) as u8 } else { 0 });
+        Walk { shift: model.shift, mask: model.mask as u8, bounds, of }
+    }
+
+    /// The bucket of a word.
+    #[inline(always)]
+    fn bucket(&self, word: u64) -> usize {
+        usize::from(self.of[usize::from(((word >> self.shift) as u8) & self.mask)])
+    }
+}
+
+/// Where each listed bucket's walk over its rank bitmap stands, for the
+/// expansion kernels; `None` when no bucket is listed.
 struct Cursors {
-    /// Per context (indexed by the context byte): the bit of `words` that
+    /// Per bucket (indexed by the bucket id): the bit of `words` that
     /// holds the flag of its next element, and the end of its bitmap (both
-    /// zero for contexts without changes: never entered).
+    /// zero for buckets without changes: never entered).
     next: [usize; 256],
     end: [usize; 256],
-    /// The smallest and largest listed context.
+    /// The smallest and largest listed bucket.
     first: usize,
     last: usize,
 }
@@ -149,7 +183,7 @@ impl Cursors {
     }
 }
 
-/// 64 flags of a context's rank bitmap from bit `bit`: two words, which
+/// 64 flags of a bucket's rank bitmap from bit `bit`: two words, which
 /// lie inside the bitmap or the two zero words after it when `bit` is
 /// below the bitmap's end plus 64 (`rank_bitmaps`).
 #[inline(always)]
@@ -184,11 +218,11 @@ fn write_positions(at: &mut [u32], start: usize, mut changed: u64) -> usize {
 
 /// Compiled with AVX-512 F/BW and BMI2: may only run where
 /// `wide_available()`. The same walk as `expand_avx2`, by blocks of
-/// `64 * L` elements: per context present, one compare per 64 elements
+/// `64 * L` elements: per bucket present, one compare per 64 elements
 /// straight into a mask, and one deposit.
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f,avx512bw,avx2,bmi1,bmi2,popcnt")]
-unsafe fn expand_avx512<T: Word, const L: usize>(old: &[u8], model: &ContextModel, listed: &[usize], maps: &RankBitmaps, positions: &mut Vec<u32>) {
+unsafe fn expand_avx512<T: Word, const L: usize>(old: &[u8], walk: &Walk, listed: &[usize], maps: &RankBitmaps, positions: &mut Vec<u32>) {
     let w = T::BYTES;
     let n = old.len() / w;
     let Some(Cursors { mut next, end, first, last }) = Cursors::new(listed, maps) else {
@@ -197,10 +231,9 @@ unsafe fn expand_avx512<T: Word, const L: usize>(old: &[u8], model: &ContextMode
     };
     let mut count = 0usize;
     let words = &maps.words[..];
-    let (shift, mask) = (model.shift, model.mask as u8);
     for start in (0..n).step_by(64 * L) {
         // Safety: these kernels run only where the CPU has AVX-512 F and BW.
-        let (v, valid) = unsafe { wide_lanes::<T, L>(old, start, shift, mask) };
+        let (v, valid) = unsafe { wide_lanes::<T, L>(old, start, walk) };
         let (lo, hi) = wide_min_max(&v);
         let mut changed = [0u64; L];
         for c in usize::from(lo).max(first)..usize::from(hi).min(last) + 1 {
@@ -230,7 +263,7 @@ unsafe fn expand_avx512<T: Word, const L: usize>(old: &[u8], model: &ContextMode
     positions.truncate(count);
 }
 
-/// The context bytes of the `64 * L` words of `old` from word `start`, as
+/// The bucket ids of the `64 * L` words of `old` from word `start`, as
 /// `L` vectors of 64, and the masks of their valid elements (words past the
 /// end of `old` are invalid; `L` is even). Always inlined into the
 /// kernels, so that the vectors stay in registers.
@@ -239,7 +272,7 @@ unsafe fn expand_avx512<T: Word, const L: usize>(old: &[u8], model: &ContextMode
 /// The CPU must have AVX-512 F and BW.
 #[allow(unsafe_code)]
 #[inline(always)]
-unsafe fn wide_lanes<T: Word, const L: usize>(old: &[u8], start: usize, shift: u32, mask: u8) -> ([__m512i; L], [u64; L]) {
+unsafe fn wide_lanes<T: Word, const L: usize>(old: &[u8], start: usize, walk: &Walk) -> ([__m512i; L], [u64; L]) {
     let n = old.len() / T::BYTES;
     let mut v = [_mm512_setzero_si512(); L];
     let mut valid = [0u64; L];
@@ -247,19 +280,19 @@ unsafe fn wide_lanes<T: Word, const L: usize>(old: &[u8], start: usize, shift: u
         if start + 128 * half < n {
             // Safety: the caller's CPU has AVX-512 F and BW.
             (v[2 * half], v[2 * half + 1], valid[2 * half], valid[2 * half + 1]) =
-                unsafe { wide_block_contexts::<T>(old, start + 128 * half, shift, mask) };
+                unsafe { wide_block_buckets::<T>(old, start + 128 * half, walk) };
         }
     }
     (v, valid)
 }
 
-/// The context bytes of the block of (up to) 128 words of `old` from word
-/// `start`, as two vectors of 64, and the masks of their valid elements (a
-/// partial last block is padded with zero words).
+/// The bucket ids of the block of (up to) 128 words of `old` from word
+/// `start`, as two vectors of 64 bytes, and the masks of their valid
+/// elements (a partial last block is padded with zero words).
 #[allow(unsafe_code)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-fn wide_block_contexts<T: Word>(old: &[u8], start: usize, shift: u32, mask: u8) -> (__m512i, __m512i, u64, u64) {
+fn wide_block_buckets<T: Word>(old: &[u8], start: usize, walk: &Walk) -> (__m512i, __m512i, u64, u64) {
     const B: usize = 128;
     let w = T::BYTES;
     let len = B.min(old.len() / w - start);
@@ -269,15 +302,29 @@ fn wide_block_contexts<T: Word>(old: &[u8], start: usize, shift: u32, mask: u8) 
         k if k >= 64 => u64::MAX,
         k => (1u64 << k) - 1,
     };
+    let ids = |v| wide_bucket_ids(v, &walk.bounds);
     // Safety (both calls): the slice holds 128 words.
     if len == B {
-        let (v0, v1) = unsafe { wide_context_vectors::<T>(block, shift, mask) };
-        return (v0, v1, u64::MAX, u64::MAX);
+        let (v0, v1) = unsafe { wide_context_vectors::<T>(block, walk.shift, walk.mask) };
+        return (ids(v0), ids(v1), u64::MAX, u64::MAX);
     }
     let mut tail = [0u8; B * 4];
     tail[..block.len()].copy_from_slice(block);
-    let (v0, v1) = unsafe { wide_context_vectors::<T>(&tail[..B * w], shift, mask) };
-    (v0, v1, valid(0), valid(64))
+    let (v0, v1) = unsafe { wide_context_vectors::<T>(&tail[..B * w], walk.shift, walk.mask) };
+    (ids(v0), ids(v1), valid(0), valid(64))
+}
+
+/// The bucket id of each context byte of `v`: how many bounds it reaches.
+#[allow(unsafe_code)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn wide_bucket_ids(v: __m512i, bounds: &[u8]) -> __m512i {
+    let one = _mm512_set1_epi8(1);
+    let mut ids = _mm512_setzero_si512();
+    for &b in bounds {
+        ids = _mm512_mask_add_epi8(ids, _mm512_cmpge_epu8_mask(v, _mm512_set1_epi8(b as i8)), ids, one);
+    }
+    ids
 }
 
 /// The context bytes of the 128 words at `words` (`128 * T::BYTES`
@@ -340,7 +387,7 @@ unsafe fn wide_min_max<const L: usize>(v: &[__m512i; L]) -> (u8, u8) {
 /// Compiled with AVX2 and BMI2: may only run where `available()`.
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx2,bmi1,bmi2,popcnt")]
-unsafe fn expand_avx2<T: Word>(old: &[u8], model: &ContextModel, listed: &[usize], maps: &RankBitmaps, positions: &mut Vec<u32>) {
+unsafe fn expand_avx2<T: Word>(old: &[u8], walk: &Walk, listed: &[usize], maps: &RankBitmaps, positions: &mut Vec<u32>) {
     const B: usize = 64;
     let w = T::BYTES;
     let n = old.len() / w;
@@ -350,9 +397,8 @@ unsafe fn expand_avx2<T: Word>(old: &[u8], model: &ContextModel, listed: &[usize
     };
     let mut count = 0usize;
     let words = &maps.words[..];
-    let (shift, mask) = (model.shift, model.mask as u8);
     for start in (0..n).step_by(B) {
-        let (v0, v1, _, valid) = block_contexts::<T>(old, start, shift, mask);
+        let (v0, v1, _, valid) = block_buckets::<T>(old, start, walk);
         let (lo, hi) = min_max(v0, v1);
         let mut changed = 0u64;
         for c in usize::from(lo).max(first)..usize::from(hi).min(last) + 1 {
@@ -377,26 +423,41 @@ unsafe fn expand_avx2<T: Word>(old: &[u8], model: &ContextModel, listed: &[usize
 }
 
 
-/// The context bytes of the block of (up to) 64 words of `old` from word
+/// The bucket ids of the block of (up to) 64 words of `old` from word
 /// `start`, the block's length and the mask of its valid elements: a
 /// partial last block is padded with zero words, masked out by `valid`.
 #[allow(unsafe_code)]
 #[inline]
 #[target_feature(enable = "avx2")]
-fn block_contexts<T: Word>(old: &[u8], start: usize, shift: u32, mask: u8) -> (__m256i, __m256i, usize, u64) {
+fn block_buckets<T: Word>(old: &[u8], start: usize, walk: &Walk) -> (__m256i, __m256i, usize, u64) {
     const B: usize = 64;
     let w = T::BYTES;
     let len = B.min(old.len() / w - start);
     let block = &old[start * w..(start + len) * w];
+    let ids = |v| bucket_ids(v, &walk.bounds);
     // Safety (both calls): the slice holds 64 words.
     if len == B {
-        let (v0, v1) = unsafe { context_vectors::<T>(block, shift, mask) };
-        return (v0, v1, len, u64::MAX);
+        let (v0, v1) = unsafe { context_vectors::<T>(block, walk.shift, walk.mask) };
+        return (ids(v0), ids(v1), len, u64::MAX);
     }
     let mut tail = [0u8; B * 4];
     tail[..block.len()].copy_from_slice(block);
-    let (v0, v1) = unsafe { context_vectors::<T>(&tail[..B * w], shift, mask) };
-    (v0, v1, len, (1u64 << len) - 1)
+    let (v0, v1) = unsafe { context_vectors::<T>(&tail[..B * w], walk.shift, walk.mask) };
+    (ids(v0), ids(v1), len, (1u64 << len) - 1)
+}
+
+/// The bucket id of each context byte of `v`: how many bounds it reaches
+/// (`max(v, b) == v` is `v >= b` unsigned; the compare's -1 counts one).
+#[allow(unsafe_code)]
+#[inline]
+#[target_feature(enable = "avx2")]
+fn bucket_ids(v: __m256i, bounds: &[u8]) -> __m256i {
+    let mut ids = _mm256_setzero_si256();
+    for &b in bounds {
+        let reached = _mm256_cmpeq_epi8(_mm256_max_epu8(v, _mm256_set1_epi8(b as i8)), v);
+        ids = _mm256_sub_epi8(ids, reached);
+    }
+    ids
 }
 
 /// The context bytes of the 64 words at `words` (`64 * T::BYTES` bytes),
@@ -458,41 +519,49 @@ unsafe fn min_max(v0: __m256i, v1: __m256i) -> (u8, u8) {
 }
 
 /// For each of the changed `positions` (ascending) of the chunk `old`, its
-/// rank: how many earlier elements share its context. The encoder's side of
-/// `expand`: 64 elements at a time, one compare and popcount per context
+/// rank: how many earlier elements share its bucket. The encoder's side of
+/// `expand`: 64 elements at a time, one compare and popcount per bucket
 /// present.
-pub(super) fn ranks<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32], ranks: &mut Vec<u32>) {
+pub(super) fn ranks<T: Word>(old: &[u8], model: &ContextModel, buckets: &Buckets, positions: &[u32], ranks: &mut Vec<u32>) {
     let kernel = if wide_available() { Kernel::Avx512 } else { Kernel::Avx2 };
-    ranks_with::<T>(kernel, old, model, positions, ranks);
+    ranks_with::<T>(kernel, old, model, buckets, positions, ranks);
 }
 
 /// `ranks` with a given kernel (the tests hold each to the reference).
-pub(super) fn ranks_with<T: Word>(kernel: Kernel, old: &[u8], model: &ContextModel, positions: &[u32], ranks: &mut Vec<u32>) {
+pub(super) fn ranks_with<T: Word>(
+    kernel: Kernel,
+    old: &[u8],
+    model: &ContextModel,
+    buckets: &Buckets,
+    positions: &[u32],
+    ranks: &mut Vec<u32>,
+) {
     assert!(available() && model.contexts() <= 256 && T::BYTES <= 4, "the caller checks the CPU and the model");
+    let walk = Walk::new(model, buckets);
     match kernel {
         // Safety: the CPU has the features `ranks_avx2` is compiled for
         // (checked just above).
         #[allow(unsafe_code)]
-        Kernel::Avx2 => unsafe { ranks_avx2::<T>(old, model, positions, ranks) },
+        Kernel::Avx2 => unsafe { ranks_avx2::<T>(old, &walk, positions, ranks) },
         Kernel::Avx512 => {
             assert!(wide_available(), "the caller checks the CPU");
             // Safety: checked just above.
             #[allow(unsafe_code)]
             unsafe {
-                ranks_avx512::<T, LANES>(old, model, positions, ranks)
+                ranks_avx512::<T, LANES>(old, &walk, positions, ranks)
             }
         }
     }
 }
 
-/// Per context, how many changes lie ahead in `positions`, and the
-/// smallest and largest context with any.
-fn changes_ahead<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32]) -> ([u32; 256], u8, u8) {
+/// Per bucket, how many changes lie ahead in `positions`, and the
+/// smallest and largest bucket with any.
+fn changes_ahead<T: Word>(old: &[u8], walk: &Walk, positions: &[u32]) -> ([u32; 256], u8, u8) {
     let w = T::BYTES;
     let mut ahead = [0u32; 256];
     for &p in positions {
         let p = p as usize;
-        ahead[model.context(T::load(&old[p * w..(p + 1) * w]))] += 1;
+        ahead[walk.bucket(T::load(&old[p * w..(p + 1) * w]))] += 1;
     }
     let first = ahead.iter().position(|&a| a > 0).unwrap_or(0) as u8;
     let last = ahead.iter().rposition(|&a| a > 0).unwrap_or(0) as u8;
@@ -505,13 +574,12 @@ fn changes_ahead<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32]) -
 /// straight into a mask, and the per-block work paid a quarter as often.
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f,avx512bw,avx2,bmi1,bmi2,popcnt")]
-unsafe fn ranks_avx512<T: Word, const L: usize>(old: &[u8], model: &ContextModel, positions: &[u32], ranks: &mut Vec<u32>) {
+unsafe fn ranks_avx512<T: Word, const L: usize>(old: &[u8], walk: &Walk, positions: &[u32], ranks: &mut Vec<u32>) {
     let w = T::BYTES;
     let n = old.len() / w;
-    let (shift, mask) = (model.shift, model.mask as u8);
     let mut counts = [0u32; 256];
-    // Only contexts with changes ahead need counting.
-    let (mut ahead, first, last) = changes_ahead::<T>(old, model, positions);
+    // Only buckets with changes ahead need counting.
+    let (mut ahead, first, last) = changes_ahead::<T>(old, walk, positions);
     let mut next = 0usize; // the next change
     ranks.clear();
     ranks.reserve(positions.len());
@@ -520,16 +588,16 @@ unsafe fn ranks_avx512<T: Word, const L: usize>(old: &[u8], model: &ContextModel
             break; // nothing after the last change needs counting
         }
         // Safety: these kernels run only where the CPU has AVX-512 F and BW.
-        let (v, valid) = unsafe { wide_lanes::<T, L>(old, start, shift, mask) };
+        let (v, valid) = unsafe { wide_lanes::<T, L>(old, start, walk) };
         let len = (64 * L).min(n - start);
         while let Some(&p) = positions.get(next) {
             let j = (p as usize).checked_sub(start).expect("changed positions ascend");
             if j >= len {
                 break;
             }
-            let c = model.context(T::load(&old[p as usize * w..][..w]));
+            let c = walk.bucket(T::load(&old[p as usize * w..][..w]));
             let probe = _mm512_set1_epi8(c as u8 as i8);
-            // The elements of its context before it: whole lanes below its
+            // The elements of its bucket before it: whole lanes below its
             // own, then the part of its lane below it.
             let mut rank = counts[c];
             for lane in 0..L {
@@ -561,14 +629,13 @@ unsafe fn ranks_avx512<T: Word, const L: usize>(old: &[u8], model: &ContextModel
 /// Compiled with AVX2 and BMI2: may only run where `available()`.
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx2,bmi1,bmi2,popcnt")]
-unsafe fn ranks_avx2<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32], ranks: &mut Vec<u32>) {
+unsafe fn ranks_avx2<T: Word>(old: &[u8], walk: &Walk, positions: &[u32], ranks: &mut Vec<u32>) {
     const B: usize = 64;
     let w = T::BYTES;
     let n = old.len() / w;
-    let (shift, mask) = (model.shift, model.mask as u8);
     let mut counts = [0u32; 256];
-    // Only contexts with changes ahead need counting.
-    let (mut ahead, first, last) = changes_ahead::<T>(old, model, positions);
+    // Only buckets with changes ahead need counting.
+    let (mut ahead, first, last) = changes_ahead::<T>(old, walk, positions);
     let mut ctx = [0u8; B];
     let mut next = 0usize; // the next change
     ranks.clear();
@@ -577,7 +644,7 @@ unsafe fn ranks_avx2<T: Word>(old: &[u8], model: &ContextModel, positions: &[u32
         if next == positions.len() {
             break; // nothing after the last change needs counting
         }
-        let (v0, v1, len, valid) = block_contexts::<T>(old, start, shift, mask);
+        let (v0, v1, len, valid) = block_buckets::<T>(old, start, walk);
         // Safety: `ctx` holds 64 bytes.
         unsafe {
             _mm256_storeu_si256(ctx.as_mut_ptr() as *mut __m256i, v0);
