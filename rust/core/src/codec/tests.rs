@@ -195,7 +195,7 @@ fn sparse_chunk_picks_sparse_and_large_gaps_escape() {
     let n = 1 << 16;
     let old = vec![0u8; n * 2];
     let mut new = old.clone();
-    let mut changed: Vec<usize> = (0..n / 2).step_by(30).collect();
+    let mut changed: Vec<usize> = (0..n / 2).step_by(6).collect();
     changed.extend([n / 2 + 300, n / 2 + 20_000, n - 1]);
     assert!(changed.len() > super::RICE_MAX_CHANGES);
     for &p in &changed {
