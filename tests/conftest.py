@@ -59,14 +59,13 @@ def ckpt_pair(tmp_path: Path, rng: np.random.Generator):
     return write_bf16(tmp_path / "old.safetensors", old), write_bf16(tmp_path / "new.safetensors", new)
 
 
-def kill_mid_refit(cmd: list[str], target: Path, timeout: float = 60) -> int:
-    """Run `cmd` (a `dcr apply` or `dcr receive` into `target`), poll the
-    target's journal and SIGKILL the process as soon as a chunk of a refit has
-    started. Returns the exit status: negative when killed, 0 when the
-    command finished first."""
+def kill_once_refit_started(proc: subprocess.Popen, target: Path, timeout: float = 60) -> bool:
+    """Poll the journal of `target` while `proc` (a `dcr apply` or `dcr
+    receive` into it) runs, and SIGKILL it as soon as a chunk of a refit has
+    started. True when it was killed, False when it finished (or `timeout`
+    passed) first; the caller collects its exit."""
     import dcr
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         try:
@@ -75,6 +74,15 @@ def kill_mid_refit(cmd: list[str], target: Path, timeout: float = 60) -> int:
             st = {}
         if st.get("refit") and st["refit"]["applied"] + st["refit"]["in_progress"] > 0:
             proc.kill()
-            break
+            return True
         time.sleep(0.001)
+    return False
+
+
+def kill_mid_refit(cmd: list[str], target: Path, timeout: float = 60) -> int:
+    """Run `cmd` (a `dcr apply` or `dcr receive` into `target`) and SIGKILL it
+    as soon as a chunk of a refit has started. Returns the exit status:
+    negative when killed, 0 when the command finished first."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kill_once_refit_started(proc, target, timeout)
     return proc.wait()

@@ -18,7 +18,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import dcr
-from conftest import kill_mid_refit
+from conftest import kill_mid_refit, kill_once_refit_started
 
 CLI = [sys.executable, "-m", "dcr.cli"]
 KILLS = 100
@@ -59,24 +59,6 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Path], list[Pa
     versions = _checkpoints(root)
     deltas = [_diff(versions[i], versions[i + 1], root / f"d{i}{i + 1}.dcr", i, i + 1) for i in range(2)]
     return versions, deltas
-
-
-def _kill_once_refit_started(proc: subprocess.Popen[str], target: Path, timeout: float = 60) -> bool:
-    """SIGKILL `proc` (a `dcr apply` into `target`) as soon as its journal
-    shows a chunk of the refit under way; False when it finished first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            st = dcr.receiver_status(target)
-        except dcr.DcrError:
-            st = {}
-        if st.get("refit") and st["refit"]["applied"] + st["refit"]["in_progress"] > 0:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            return True
-        time.sleep(0.001)
-    proc.wait()
-    return False
 
 
 @pytest.mark.slow
@@ -133,8 +115,8 @@ def test_apply_is_resumable_under_sigkill(model: tuple[list[Path], list[Path]], 
                         delay = rnd.uniform(lo, hi) if stats["kills"] < KILLS else None
                     runs += 1
                     if delay is not None and runs % 5 == 0:
-                        killed = _kill_once_refit_started(proc, target)
-                        err = "" if killed else proc.stderr.read()
+                        killed = kill_once_refit_started(proc, target)
+                        _, err = proc.communicate()
                     else:
                         try:
                             _, err = proc.communicate(timeout=delay)

@@ -573,7 +573,7 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
 /// Decode a context-coded payload against the chunk's base bytes `old`.
 /// Returns the changes as XOR masks or new words (by `kind`).
 ///
-/// Both paths first decode each listed context's changed ranks into a
+/// Both paths first decode each listed bucket's changed ranks into a
 /// bitmap. On x86-64 with AVX2 and a fast BMI2, words of up to 4 bytes with
 /// up to 256 contexts then expand those bitmaps into element order block by
 /// block (`codec::x86`); everything else (8-byte words, other CPUs) walks
@@ -621,7 +621,7 @@ pub fn decode_reference(
 /// How rank bitmaps become element positions.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Expansion {
-    /// One element at a time, a counter per context (portable).
+    /// One element at a time, a counter per bucket (portable).
     Elements,
     /// 64 or 256 elements at a time (`codec::x86`; AVX2 and fast BMI2).
     #[cfg(target_arch = "x86_64")]
@@ -641,17 +641,17 @@ struct Listed {
 struct Parsed<'a> {
     buckets: Buckets,
     listed: Vec<Listed>,
-    /// The Rice codes of the Rice-mode contexts, in table order.
+    /// The Rice codes of the Rice-mode buckets, in table order.
     rice: Vec<u8>,
     /// One bit per change: its step is negative.
     signs: &'a [u8],
-    /// The range-coded flags of the dense contexts, then the step magnitudes.
+    /// The range-coded flags of the dense buckets, then the step magnitudes.
     coded: &'a [u8],
 }
 
 fn parse<'a>(payload: &'a [u8], m: usize, nctx: usize, context: &'a str) -> Result<Parsed<'a>> {
     let bad = |detail: &str| Error::corrupt(context, detail.to_string());
-    let truncated = || bad("context table truncated");
+    let truncated = || bad("bucket table truncated");
     let mut pos = 0usize;
     let n_bounds = get_varint(payload, &mut pos, 10).ok_or_else(|| bad("bucket bound count missing"))? as usize;
     if n_bounds > MAX_BOUNDS || n_bounds >= nctx {
@@ -701,24 +701,24 @@ fn parse<'a>(payload: &'a [u8], m: usize, nctx: usize, context: &'a str) -> Resu
     Ok(Parsed { buckets, listed, rice, signs, coded })
 }
 
-/// Per context, the ranks (indices within the context's own subsequence of
-/// elements) that changed, as one bitmap per context laid end to end in
-/// `words`: bit `r` of context `c` is bit `r % 64` of
-/// `words[base[c] + r / 64]`. Each context's bitmap ends at its last
-/// change (`limit[c]` bits) and is followed by two zero words, so a window
+/// Per bucket, the ranks (indices within the bucket's own subsequence of
+/// elements) that changed, as one bitmap per bucket laid end to end in
+/// `words`: bit `r` of bucket `b` is bit `r % 64` of
+/// `words[base[b] + r / 64]`. Each bucket's bitmap ends at its last
+/// change (`limit[b]` bits) and is followed by two zero words, so a window
 /// of two words starting below the limit plus 64 stays inside it. An
-/// unlisted context has limit 0.
+/// unlisted bucket has limit 0.
 pub(super) struct RankBitmaps {
     pub(super) words: Vec<u64>,
     pub(super) base: Vec<usize>,
     pub(super) limit: Vec<u64>,
 }
 
-/// Decode every listed context's changed ranks into its rank bitmap: the
+/// Decode every listed bucket's changed ranks into its rank bitmap: the
 /// Rice-mode ones from the positions stream, the coded-flag ones from the
 /// range coder `rc`. Refuses streams that end early or run on, and ranks
-/// that cannot fit the chunk (the bitmaps of all contexts together never
-/// hold more than n bits, since the contexts partition the n elements).
+/// that cannot fit the chunk (the bitmaps of all buckets together never
+/// hold more than n bits, since the buckets partition the n elements).
 fn rank_bitmaps(parsed: &Parsed<'_>, n: usize, rc: &mut RangeDecoder<'_>, context: &str) -> Result<RankBitmaps> {
     let bad = |detail: &str| Error::corrupt(context, detail.to_string());
     let nb = parsed.buckets.len();
@@ -773,8 +773,9 @@ fn expand_reference<T: Word>(old: &[u8], model: &ContextModel, buckets: &Buckets
     positions
 }
 
-/// The value of a change of `old` by magnitude `v + 1` and sign into `out`; true when it leaves the element unchanged (a
-/// corrupt payload). `model.apply_step` with the word width known.
+/// The value of a change of `old` by magnitude `v + 1` and sign into
+/// `out`; true when it leaves the element unchanged (a corrupt payload).
+/// `model.apply_step` with the word width known.
 #[inline(always)]
 fn change<T: Word>(model: &ContextModel, kind: ChangeKind, old: u64, v: u64, negative: bool, out: &mut u64) -> bool {
     let bits = 8 * T::BYTES as u32;

@@ -128,10 +128,10 @@ fn put_tuned(out: &mut Vec<u8>, data: &[u8], tuning: Tuning) {
 ///
 /// zstd is tried as well only where the nonzero bytes come in runs (fewer
 /// than three runs per four nonzero bytes), which it codes as one sequence
-/// each. Measured on the training
-/// pairs (one-step and multi-step, fp32 master and bf16): every top plane
-/// had fewer than one run per 0.9 nonzero bytes, and zstd won 2 of 254 of
-/// them, by 1-2 %; trying it there cost 5-8 % of the free encode's time.
+/// each. Measured on the training pairs (one-step and multi-step, fp32
+/// master and bf16): the top planes' nonzero bytes were nearly all
+/// isolated (at least 0.9 runs per nonzero byte), and zstd won 2 of 254
+/// planes, by 1-2 %; trying it on all cost 5-8 % of the free encode's time.
 pub fn put_mostly_zero(out: &mut Vec<u8>, data: &[u8], zstd_level: i32) {
     let nonzero = count_nonzero(data);
     if data.len() < 16 || nonzero * 8 > data.len() {
