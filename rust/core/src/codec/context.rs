@@ -14,10 +14,13 @@
 //! - **Values**: the distance between old and new in representable steps
 //!   (ulps; exact integer arithmetic on an order-preserving map of the bit
 //!   pattern), in element order: the signs as raw bits (a coin toss), the
-//!   magnitudes through an adaptive binary range coder whose probabilities
-//!   are kept per context (is it above one ulp, then its bit length in
-//!   unary and the bits below the leading one: an adaptive Elias-gamma
-//!   code). `docs/format.md` has the layout.
+//!   magnitudes per context, either through an adaptive binary range coder
+//!   (is it above one ulp, then its bit length in unary and the bits below
+//!   the leading one: an adaptive Elias-gamma code) or, in chunks with many
+//!   changes, with static per-chunk tables of magnitude classes and four
+//!   interleaved rANS states (`step_tables`), which decode several times
+//!   faster for a few hundred bytes of tables. `docs/format.md` has the
+//!   layout.
 //!
 //! No sorting. Exact for every bit pattern: the ordinal map is a bijection
 //! on words.
@@ -36,6 +39,7 @@
 
 use super::bits::{best_rice_parameter, get_rice, put_rice, BitReader, BitWriter};
 use super::range::{RangeDecoder, RangeEncoder, Rate, PROB_INIT};
+use super::step_tables;
 use super::streams::{get_varint, put_stream, put_varint, StreamReader};
 use super::{ChangeKind, SparseChanges, Word};
 use crate::dtype::DType;
@@ -370,11 +374,40 @@ fn sign_bit(signs: &[u8], j: usize) -> bool {
 /// Encode `changes` (positions ascending, relative to the chunk) of a chunk
 /// whose base bytes are `old` and new bytes `new`.
 pub fn encode(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextModel, level: i32) -> Vec<u8> {
+    encode_with(old, new, changes, model, level, StepCoding::for_changes(changes.positions.len()))
+}
+
+/// `encode` with the step coding given (tests reach both with any chunk).
+pub(super) fn encode_with(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextModel, level: i32, steps: StepCoding) -> Vec<u8> {
     match model.width {
-        1 => encode_words::<u8>(old, new, changes, model, level),
-        2 => encode_words::<u16>(old, new, changes, model, level),
-        4 => encode_words::<u32>(old, new, changes, model, level),
-        _ => encode_words::<u64>(old, new, changes, model, level),
+        1 => encode_words::<u8>(old, new, changes, model, level, steps),
+        2 => encode_words::<u16>(old, new, changes, model, level, steps),
+        4 => encode_words::<u32>(old, new, changes, model, level, steps),
+        _ => encode_words::<u64>(old, new, changes, model, level, steps),
+    }
+}
+
+/// How a payload codes its ulp step magnitudes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum StepCoding {
+    /// In the range coder after the coded flags, with adaptive
+    /// probabilities per context: no table to send, so it suits chunks
+    /// with few changes.
+    Adaptive = 0,
+    /// Static tables and four interleaved rANS states (`step_tables`):
+    /// decoding is several times cheaper per change, for a few hundred
+    /// bytes of tables.
+    Tables = 1,
+}
+
+impl StepCoding {
+    /// The encoder's choice for a chunk of `changes` changes.
+    pub(super) fn for_changes(changes: usize) -> Self {
+        if step_tables::worth_it(changes) {
+            StepCoding::Tables
+        } else {
+            StepCoding::Adaptive
+        }
     }
 }
 
@@ -489,7 +522,7 @@ fn decode_flags(rc: &mut RangeDecoder<'_>, changes: u64, max_flags: u64, words: 
     Some(rank)
 }
 
-fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextModel, level: i32) -> Vec<u8> {
+fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextModel, level: i32, steps: StepCoding) -> Vec<u8> {
     let w = T::BYTES;
     let nctx = model.contexts();
     let positions = &changes.positions;
@@ -559,12 +592,18 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
     }
     put_varint(&mut table, listed);
     table.extend_from_slice(&entries);
-    let mut steps = StepModel::new(nctx);
-    for (&c, &v) in contexts.iter().zip(&magnitudes) {
-        steps.encode(&mut rc, usize::from(c), v);
-    }
     let mut out = table;
     put_stream(&mut out, &rice.finish(), level);
+    out.push(steps as u8);
+    match steps {
+        StepCoding::Tables => step_tables::encode(&contexts, &magnitudes, nctx, w, &mut out),
+        StepCoding::Adaptive => {
+            let mut model = StepModel::new(nctx);
+            for (&c, &v) in contexts.iter().zip(&magnitudes) {
+                model.encode(&mut rc, usize::from(c), v);
+            }
+        }
+    }
     out.extend_from_slice(&signs.finish());
     out.extend_from_slice(&rc.finish());
     out
@@ -645,7 +684,10 @@ struct Parsed<'a> {
     rice: Vec<u8>,
     /// One bit per change: its step is negative.
     signs: &'a [u8],
-    /// The range-coded flags of the dense buckets, then the step magnitudes.
+    /// The step magnitudes' sections when they are table-coded.
+    tables: Option<step_tables::Sections<'a>>,
+    /// The range-coded flags of the dense buckets, then the step magnitudes
+    /// when they are coded adaptively.
     coded: &'a [u8],
 }
 
@@ -692,13 +734,21 @@ fn parse<'a>(payload: &'a [u8], m: usize, nctx: usize, context: &'a str) -> Resu
     // A Rice code takes at most 64 bits.
     let rice = streams.next("positions", 0, m * 8)?;
     let rest = streams.rest();
+    let mut pos = 1;
+    let tables = match rest.first() {
+        Some(&c) if c == StepCoding::Adaptive as u8 => None,
+        Some(&c) if c == StepCoding::Tables as u8 => Some(step_tables::sections(rest, &mut pos, context)?),
+        Some(&other) => return Err(bad(&format!("unknown step coding {other} (this build knows 0, adaptive, and 1, tables)"))),
+        None => return Err(Error::truncated(format!("{context}, step coding"), 1, 0)),
+    };
+    let rest = &rest[pos..];
     let signs_len = m.div_ceil(8);
     // The range coder's output is at least 5 bytes.
     if rest.len() < signs_len + 5 {
         return Err(Error::truncated(format!("{context}, step signs and range-coded stream"), (signs_len + 5) as u64, rest.len() as u64));
     }
     let (signs, coded) = rest.split_at(signs_len);
-    Ok(Parsed { buckets, listed, rice, signs, coded })
+    Ok(Parsed { buckets, listed, rice, signs, tables, coded })
 }
 
 /// Per bucket, the ranks (indices within the bucket's own subsequence of
@@ -826,17 +876,38 @@ fn decode_words<T: Word>(
     }
     // The ulp steps, in element order. The coder's state and the model's
     // fields are kept in locals, so that they stay in registers.
-    let mut steps = StepModel::new(nctx);
     let w = T::BYTES;
     let signs = parsed.signs;
     let local = *model;
     let mut values = vec![0u64; m];
     // Refused after the loop: a change that does not change its element.
     let mut unchanged = false;
-    for (j, (&p, out)) in positions.iter().zip(values.iter_mut()).enumerate() {
-        let o = T::load(&old[p as usize * w..][..w]);
-        let v = steps.decode(&mut rc, local.context(o));
-        unchanged |= change::<T>(&local, kind, o, v, sign_bit(signs, j), out);
+    if let Some(sections) = &parsed.tables {
+        // Four changes per round, one per rANS state, so that the four
+        // chains overlap.
+        let mut steps = step_tables::Decoder::new(sections, nctx, w, context)?;
+        let whole = m / 4 * 4;
+        for (q, (group, outs)) in positions[..whole].chunks_exact(4).zip(values[..whole].chunks_exact_mut(4)).enumerate() {
+            let load = |p: u32| T::load(&old[p as usize * w..][..w]);
+            let o = [load(group[0]), load(group[1]), load(group[2]), load(group[3])];
+            let v = steps.decode4([local.context(o[0]), local.context(o[1]), local.context(o[2]), local.context(o[3])]);
+            for lane in 0..4 {
+                unchanged |= change::<T>(&local, kind, o[lane], v[lane], sign_bit(signs, 4 * q + lane), &mut outs[lane]);
+            }
+        }
+        for j in whole..m {
+            let o = T::load(&old[positions[j] as usize * w..][..w]);
+            let v = steps.decode(j - whole, local.context(o));
+            unchanged |= change::<T>(&local, kind, o, v, sign_bit(signs, j), &mut values[j]);
+        }
+        steps.finish(context)?;
+    } else {
+        let mut steps = StepModel::new(nctx);
+        for (j, (&p, out)) in positions.iter().zip(values.iter_mut()).enumerate() {
+            let o = T::load(&old[p as usize * w..][..w]);
+            let v = steps.decode(&mut rc, local.context(o));
+            unchanged |= change::<T>(&local, kind, o, v, sign_bit(signs, j), out);
+        }
     }
     if unchanged {
         return Err(bad("a listed change does not change its element"));

@@ -18,6 +18,7 @@ pub mod range;
 mod scan;
 pub mod streams;
 mod bits;
+mod step_tables;
 use bits::{best_rice_parameter, get_rice, put_rice, BitReader, BitWriter};
 #[cfg(target_arch = "x86_64")]
 mod gather_x86;

@@ -320,6 +320,15 @@ fn context_round_trip(old: &[u8], new: &[u8], dtype: DType, kind: ChangeKind) ->
     prop_assert_eq!(&target, &new);
     let reference = context::decode_reference(&payload, old, &model, m, kind, "t").unwrap();
     prop_assert_eq!(decoded.to_changes(), reference);
+    // Both step codings, whatever the encoder would pick for this chunk.
+    for steps in [context::StepCoding::Adaptive, context::StepCoding::Tables] {
+        let payload = context::encode_with(old, new, &found, &model, 1, steps);
+        let decoded = decode_chunk_context(&payload, old, width, &model, m, kind, "t").unwrap();
+        let mut target = old.to_vec();
+        decoded.apply(&mut target, kind);
+        prop_assert_eq!(&target, &new, "{:?}", steps);
+        prop_assert_eq!(decoded.to_changes(), context::decode_reference(&payload, old, &model, m, kind, "t").unwrap());
+    }
     // The whole-chunk entry point picks the smaller mode and still round-trips.
     let c = encode_chunk_with_context(old, new, width, EncodeOptions { kind, zstd_level: 1 }, Some(&model)).unwrap().unwrap();
     let mut target = old.to_vec();
@@ -346,13 +355,14 @@ proptest! {
     }
 
     #[test]
-    fn context_corrupted_payload_never_panics((old, new, dtype) in float_like_pair(), flips in prop::collection::vec((any::<usize>(), any::<u8>()), 1..4), cut in any::<usize>(), miscount in -2i64..3) {
+    fn context_corrupted_payload_never_panics((old, new, dtype) in float_like_pair(), flips in prop::collection::vec((any::<usize>(), any::<u8>()), 1..4), cut in any::<usize>(), miscount in -2i64..3, tables in any::<bool>()) {
         let width = dtype.word_bytes();
         let model = ContextModel::for_dtype(dtype);
         let found = find_changes(&old, &new, width, ChangeKind::Xor).unwrap();
         if !found.positions.is_empty() {
             let m = found.positions.len() as u32;
-            let payload = context::encode(&old, &new, &found, &model, 1);
+            let steps = if tables { context::StepCoding::Tables } else { context::StepCoding::Adaptive };
+            let payload = context::encode_with(&old, &new, &found, &model, 1, steps);
             let mut bad = payload.clone();
             for (i, x) in flips {
                 let i = i % bad.len();
