@@ -556,7 +556,8 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
     // Per bucket: its flags range-coded when dense, else its gaps as Rice
     // codes with the best parameter, one bit stream for all buckets.
     let mut table = Vec::new();
-    put_varint(&mut table, buckets.bounds.len() as u64);
+    // One byte: the bound count (at most MAX_BOUNDS = 15) and the step coding.
+    table.push(buckets.bounds.len() as u8 | (steps as u8) << 4);
     let mut prev_bound = 0usize;
     for &bound in &buckets.bounds {
         put_varint(&mut table, (bound - prev_bound) as u64);
@@ -594,7 +595,6 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
     table.extend_from_slice(&entries);
     let mut out = table;
     put_stream(&mut out, &rice.finish(), level);
-    out.push(steps as u8);
     match steps {
         StepCoding::Tables => step_tables::encode(&contexts, &magnitudes, nctx, w, &mut out),
         StepCoding::Adaptive => {
@@ -695,7 +695,14 @@ fn parse<'a>(payload: &'a [u8], m: usize, nctx: usize, context: &'a str) -> Resu
     let bad = |detail: &str| Error::corrupt(context, detail.to_string());
     let truncated = || bad("bucket table truncated");
     let mut pos = 0usize;
-    let n_bounds = get_varint(payload, &mut pos, 10).ok_or_else(|| bad("bucket bound count missing"))? as usize;
+    let head = *payload.first().ok_or_else(|| bad("bucket bound count missing"))?;
+    pos += 1;
+    let (n_bounds, coding) = (usize::from(head & 0x0f), head >> 4);
+    let tables = match coding {
+        c if c == StepCoding::Adaptive as u8 => false,
+        c if c == StepCoding::Tables as u8 => true,
+        other => return Err(bad(&format!("unknown step coding {other} (this build knows 0, adaptive, and 1, tables)"))),
+    };
     if n_bounds > MAX_BOUNDS || n_bounds >= nctx {
         return Err(bad(&format!("{n_bounds} bucket bounds (at most {} for {nctx} contexts)", MAX_BOUNDS.min(nctx - 1))));
     }
@@ -734,13 +741,8 @@ fn parse<'a>(payload: &'a [u8], m: usize, nctx: usize, context: &'a str) -> Resu
     // A Rice code takes at most 64 bits.
     let rice = streams.next("positions", 0, m * 8)?;
     let rest = streams.rest();
-    let mut pos = 1;
-    let tables = match rest.first() {
-        Some(&c) if c == StepCoding::Adaptive as u8 => None,
-        Some(&c) if c == StepCoding::Tables as u8 => Some(step_tables::sections(rest, &mut pos, context)?),
-        Some(&other) => return Err(bad(&format!("unknown step coding {other} (this build knows 0, adaptive, and 1, tables)"))),
-        None => return Err(Error::truncated(format!("{context}, step coding"), 1, 0)),
-    };
+    let mut pos = 0;
+    let tables = if tables { Some(step_tables::sections(rest, &mut pos, context)?) } else { None };
     let rest = &rest[pos..];
     let signs_len = m.div_ceil(8);
     // The range coder's output is at least 5 bytes.
@@ -1078,6 +1080,35 @@ mod tests {
             let expected = super::super::find_changes(&old, &new, 2, kind).unwrap();
             assert_eq!(decode(&payload, &old, &model, m as u32, kind, "t").unwrap(), expected);
             assert_eq!(decode_reference(&payload, &old, &model, m as u32, kind, "t").unwrap(), expected);
+        }
+    }
+
+    /// The encoder codes the steps of a chunk with many changes with
+    /// tables, of one with few adaptively; the payload's first byte says
+    /// which, and a coding this build does not know is refused by number.
+    #[test]
+    fn step_coding_follows_the_change_count_and_unknown_codings_are_refused() {
+        let model = ContextModel::for_dtype(DType(Dtype::BF16));
+        let mut next = super::super::tests::xorshift(77);
+        for (n, every, coding) in [(40_000usize, 4u64, StepCoding::Tables), (40_000, 100, StepCoding::Adaptive)] {
+            let old: Vec<u8> = (0..n).flat_map(|_| ((118u16 << 7) | (next() as u16 & 0x7f)).to_le_bytes()).collect();
+            let mut new = old.clone();
+            for i in 0..n {
+                if next().is_multiple_of(every) {
+                    let w = u16::from_le_bytes([old[2 * i], old[2 * i + 1]]).wrapping_add(1 + (next() % 5) as u16);
+                    new[2 * i..2 * i + 2].copy_from_slice(&w.to_le_bytes());
+                }
+            }
+            let found = super::super::find_changes(&old, &new, 2, ChangeKind::Xor).unwrap();
+            let m = found.positions.len();
+            assert_eq!(StepCoding::for_changes(m), coding, "{m} changes");
+            let payload = encode(&old, &new, &found, &model, 1);
+            assert_eq!(payload[0] >> 4, coding as u8);
+            assert_eq!(decode(&payload, &old, &model, m as u32, ChangeKind::Xor, "t").unwrap(), found);
+            let mut bad = payload.clone();
+            bad[0] = bad[0] & 0x0f | 2 << 4;
+            let err = decode(&bad, &old, &model, m as u32, ChangeKind::Xor, "t").unwrap_err().to_string();
+            assert!(err.contains("unknown step coding 2"), "{err}");
         }
     }
 }
