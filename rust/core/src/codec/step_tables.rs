@@ -47,7 +47,6 @@ fn classes(width: usize) -> usize {
     16 * width
 }
 
-
 /// The class of magnitude `v` and how many raw bits follow it.
 #[inline(always)]
 fn class_of(v: u64) -> (usize, u32) {
