@@ -396,7 +396,8 @@ impl Decoder {
         let mut table_of = vec![own as u16; nctx];
         let mut counts = vec![0u64; nclass];
         let mut freqs = vec![0u32; nclass];
-        let mut slots = vec![0u32; ntables << SCALE_BITS];
+        // Every slot of every table is written below, in order: no zeroing.
+        let mut slots = Vec::with_capacity(ntables << SCALE_BITS);
         let mut next = 0usize;
         for t in 0..ntables {
             if t < own {
@@ -422,15 +423,10 @@ impl Decoder {
                 // a table of class 0 alone.
                 freqs[0] = SCALE;
             }
-            let table_slots = &mut slots[t << SCALE_BITS..(t + 1) << SCALE_BITS];
-            let mut start = 0usize;
             for (class, &f) in freqs.iter().enumerate() {
-                let f = f as usize;
-                for (offset, slot) in table_slots[start..start + f].iter_mut().enumerate() {
-                    *slot = (class as u32) << 24 | (offset as u32) << 12 | (f as u32 - 1);
-                }
-                start += f;
+                slots.extend((0..f).map(|offset| (class as u32) << 24 | offset << 12 | (f - 1)));
             }
+            debug_assert_eq!(slots.len(), (t + 1) << SCALE_BITS);
         }
         if r.unread_bits() >= 8 {
             return Err(bad("bytes left after the last table"));
