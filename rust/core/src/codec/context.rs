@@ -596,7 +596,7 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
     let mut out = table;
     put_stream(&mut out, &rice.finish(), level);
     match steps {
-        StepCoding::Tables => step_tables::encode(&contexts, &magnitudes, nctx, w, &mut out),
+        StepCoding::Tables => step_tables::encode(&contexts, &magnitudes, &per_context, w, &mut out),
         StepCoding::Adaptive => {
             let mut model = StepModel::new(nctx);
             for (&c, &v) in contexts.iter().zip(&magnitudes) {

@@ -34,7 +34,7 @@ const STATE_LOW: u32 = 1 << 16;
 /// Interleaved states.
 const LANES: usize = 4;
 /// A context with fewer changes uses the shared table.
-const OWN_TABLE_MIN_CHANGES: u32 = 32;
+const OWN_TABLE_MIN_CHANGES: u64 = 32;
 /// At most this many contexts have a table of their own in one chunk.
 const MAX_OWN_TABLES: usize = 64;
 /// Bits kept below a count's leading bit.
@@ -214,13 +214,11 @@ const TABLE_STEPS_MIN_CHANGES: usize = 4096;
 
 /// Append the three sections (tables, raw bits, rANS words; each a varint
 /// length then its bytes) coding the magnitudes `magnitudes` of changes in
-/// contexts `contexts` (of `nctx`), for `width`-byte words.
-pub(super) fn encode(contexts: &[u16], magnitudes: &[u64], nctx: usize, width: usize, out: &mut Vec<u8>) {
+/// contexts `contexts`, for `width`-byte words; `per_context[c]` is how
+/// many of the changes are in context `c` (one entry per context).
+pub(super) fn encode(contexts: &[u16], magnitudes: &[u64], per_context: &[u64], width: usize, out: &mut Vec<u8>) {
     let nclass = classes(width);
-    let mut per_context = vec![0u32; nctx];
-    for &c in contexts {
-        per_context[usize::from(c)] += 1;
-    }
+    let nctx = per_context.len();
     let mut own: Vec<usize> = (0..nctx).filter(|&c| per_context[c] >= OWN_TABLE_MIN_CHANGES).collect();
     if own.len() > MAX_OWN_TABLES {
         own.sort_by_key(|&c| (std::cmp::Reverse(per_context[c]), c));
@@ -569,9 +567,17 @@ mod tests {
     }
 
     /// Code `magnitudes` in `contexts` and decode them back.
+    fn per_context(contexts: &[u16], nctx: usize) -> Vec<u64> {
+        let mut counts = vec![0u64; nctx];
+        for &c in contexts {
+            counts[usize::from(c)] += 1;
+        }
+        counts
+    }
+
     fn round_trip(contexts: &[u16], magnitudes: &[u64], nctx: usize, width: usize) -> Vec<u8> {
         let mut out = Vec::new();
-        encode(contexts, magnitudes, nctx, width, &mut out);
+        encode(contexts, magnitudes, &per_context(contexts, nctx), width, &mut out);
         let mut pos = 0;
         let s = sections(&out, &mut pos, "t").unwrap();
         assert_eq!(pos, out.len());
@@ -633,7 +639,7 @@ mod tests {
         let mut next = xorshift(9);
         let (contexts, magnitudes) = random_steps(&mut next, 3000, 16, 2);
         let mut out = Vec::new();
-        encode(&contexts, &magnitudes, 16, 2, &mut out);
+        encode(&contexts, &magnitudes, &per_context(&contexts, 16), 2, &mut out);
         let mut refused = 0;
         for trial in 0..400 {
             let mut bad = out.clone();
