@@ -2,6 +2,9 @@
 //! thread: `cargo run --release -p dcr-core --example profile_diff OLD NEW`.
 //! Prints the median of the repeats for each stage, in GB/s of checkpoint.
 //! `... OLD NEW REPEATS STAGE` runs only the stages whose names contain STAGE.
+//! With `COLD=1` in the environment each repeat first writes 256 MiB
+//! elsewhere (not timed), so that it starts with nothing of the inputs in
+//! the caches, as a refit does.
 use std::time::{Duration, Instant};
 
 use dcr_core::checkpoint::ReadOnlyCheckpoint;
@@ -12,6 +15,9 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
 }
+
+mod common;
+use common::evict_caches;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -41,6 +47,7 @@ fn main() {
         }
         let mut v = Vec::new();
         for _ in 0..repeats {
+            evict_caches();
             let t = Instant::now();
             f();
             v.push(t.elapsed());
@@ -114,6 +121,7 @@ fn main() {
                 w.copy_from_slice(o);
             }
             let mut targets: Vec<&mut [u8]> = work.iter_mut().map(|w| &mut w[..]).collect();
+            evict_caches();
             let t = Instant::now();
             pool.install(|| delta::apply_from(&parsed, &layout, &mut targets, known.then_some(&base_digests[..])).unwrap());
             v.push(t.elapsed());
