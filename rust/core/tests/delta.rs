@@ -79,6 +79,23 @@ proptest! {
     }
 
     #[test]
+    fn the_bytes_kept_between_the_passes_change_nothing_in_the_delta(p in pair(), keep in prop::sample::select(vec![0usize, 100, 3000]), context in any::<bool>()) {
+        let mode = if context { Mode::Context } else { Mode::Free };
+        let all = encode(&p, &DiffOptions { chunk_bytes: 64, mode, ..Default::default() });
+        let old: Vec<&[u8]> = p.old.iter().map(|v| v.as_slice()).collect();
+        let new: Vec<&[u8]> = p.new.iter().map(|v| v.as_slice()).collect();
+        let (mut some, mut seen) = (Vec::new(), Vec::new());
+        let opts = DiffOptions { chunk_bytes: 64, mode, keep_bytes: keep, ..Default::default() };
+        diff(&p.layout, &old, &new, &opts, &mut |b| { some.extend_from_slice(b); Ok(()) }, &mut |done, total| seen.push((done, total))).unwrap();
+        prop_assert_eq!(&some, &all);
+        // Progress only moves forward and ends at the checkpoint's bytes.
+        let total = p.layout.total_bytes();
+        prop_assert!(seen.windows(2).all(|w| w[0].0 <= w[1].0));
+        prop_assert!(seen.iter().all(|&(d, t)| t == total && d <= total));
+        prop_assert_eq!(seen.last().map(|s| s.0), Some(total));
+    }
+
+    #[test]
     fn mutated_or_truncated_delta_never_applies_wrong_bits(p in pair(), pos in any::<usize>(), x in 1u8..=255, cut in any::<usize>(), context in any::<bool>()) {
         let mode = if context { Mode::Context } else { Mode::Free };
         let bytes = encode(&p, &DiffOptions { chunk_bytes: 64, mode, ..Default::default() });

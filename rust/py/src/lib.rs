@@ -160,7 +160,7 @@ fn diff_files<'py>(
     threads: Option<usize>,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let opts = DiffOptions { chunk_bytes, kind: parse_kind(kind)?, zstd_level, mode: parse_mode(mode)?, base_version, target_version, dense };
+    let opts = DiffOptions { chunk_bytes, kind: parse_kind(kind)?, zstd_level, mode: parse_mode(mode)?, base_version, target_version, dense, ..Default::default() };
     let pool = pool(threads)?;
     let mut cb = progress_fn(progress);
     let stats = py.detach(|| pool.install(|| files::diff_files(&old, &new, &out, &opts, &mut cb))).map_err(to_py)?;
@@ -319,7 +319,7 @@ fn diff_buffers<'py>(
     let known = known_digests(base_digests, &order)?;
     check_spans(&old, false)?;
     check_spans(&new, false)?;
-    let opts = DiffOptions { chunk_bytes, kind: parse_kind(kind)?, zstd_level, mode: parse_mode(mode)?, base_version, target_version, dense: false };
+    let opts = DiffOptions { chunk_bytes, kind: parse_kind(kind)?, zstd_level, mode: parse_mode(mode)?, base_version, target_version, dense: false, ..Default::default() };
     let (o, n) = (slices(&old), slices(&new));
     let o: Vec<&[u8]> = order.iter().map(|&i| o[i]).collect();
     let n: Vec<&[u8]> = order.iter().map(|&i| n[i]).collect();

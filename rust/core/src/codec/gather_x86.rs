@@ -179,6 +179,38 @@ pub(super) unsafe fn gather_block<const W: i32, const TRACK: bool>(
     moves_sum(&acc)
 }
 
+/// The byte planes of `W`-byte words held one per u64 (plane `j` holds
+/// byte `j` of each), in one pass over the words, eight at a time: the
+/// planes are written as they are narrowed, with no zero-filling first.
+///
+/// # Safety
+/// `available()`, and `W` is 1, 2 or 4.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub(super) unsafe fn split_planes<const W: usize>(values: &[u64]) -> Vec<Vec<u8>> {
+    let n = values.len();
+    let mut planes: Vec<Vec<u8>> = (0..W).map(|_| Vec::with_capacity(n)).collect();
+    let full = n / 8 * 8;
+    let mut i = 0;
+    while i < full {
+        _mm_prefetch::<_MM_HINT_T0>(values.as_ptr().wrapping_add(i + 128).cast());
+        let v = _mm512_loadu_si512(values.as_ptr().add(i).cast());
+        for (j, plane) in planes.iter_mut().enumerate() {
+            let bytes = _mm512_cvtepi64_epi8(_mm512_srl_epi64(v, _mm_cvtsi32_si128(8 * j as i32)));
+            // Safety: `i + 8 <= full <= n`, the capacity.
+            _mm_storel_epi64(plane.as_mut_ptr().add(i).cast(), bytes);
+        }
+        i += 8;
+    }
+    for (j, plane) in planes.iter_mut().enumerate() {
+        for (k, &v) in values[full..].iter().enumerate() {
+            *plane.as_mut_ptr().add(full + k) = (v >> (8 * j)) as u8;
+        }
+        // Safety: all `n` bytes were just written.
+        plane.set_len(n);
+    }
+    planes
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -200,6 +232,29 @@ mod tests {
             p.push(n - 1);
         }
         p
+    }
+
+    #[test]
+    fn planes_split_as_the_portable_loop_does() {
+        if !available() {
+            return;
+        }
+        let mut next = crate::codec::tests::xorshift(3);
+        for n in [0usize, 1, 7, 8, 9, 63, 1000] {
+            let values: Vec<u64> = (0..n).map(|_| next() & 0xFFFF_FFFF).collect();
+            for w in [1usize, 2, 4] {
+                // Safety: `available()` was checked above.
+                let fast = unsafe {
+                    match w {
+                        1 => split_planes::<1>(&values),
+                        2 => split_planes::<2>(&values),
+                        _ => split_planes::<4>(&values),
+                    }
+                };
+                let expected: Vec<Vec<u8>> = (0..w).map(|j| values.iter().map(|&v| (v >> (8 * j)) as u8).collect()).collect();
+                assert_eq!(fast, expected, "{n} words of {w} bytes");
+            }
+        }
     }
 
     #[test]

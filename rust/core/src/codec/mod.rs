@@ -222,6 +222,19 @@ word!(u64);
 
 fn planes_of(values: &[u64], width: usize) -> Vec<Vec<u8>> {
     #[cfg(target_arch = "x86_64")]
+    if width <= 4 && gather_x86::available() {
+        // Safety: the CPU has the kernels' AVX-512 (`available`), and the
+        // width is 1, 2 or 4.
+        #[allow(unsafe_code)]
+        return unsafe {
+            match width {
+                1 => gather_x86::split_planes::<1>(values),
+                2 => gather_x86::split_planes::<2>(values),
+                _ => gather_x86::split_planes::<4>(values),
+            }
+        };
+    }
+    #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // Safety: the CPU supports AVX2 (checked just above).
         #[allow(unsafe_code)]
