@@ -809,23 +809,27 @@ fn positions_with(
     context: &str,
     prefix_block: impl Fn(&[u8; GAP_BLOCK], u64, &mut [u32; GAP_BLOCK]) -> u64,
 ) -> Result<Vec<u32>> {
-    let mut positions = vec![0u32; gaps.len()];
+    // Filled block by block from one on the stack (no zeroing pass first).
+    let mut positions = Vec::with_capacity(gaps.len());
+    let mut block = [0u32; GAP_BLOCK];
     // `next` is the position after the last change; positions ascend, so
     // checking the last one of a block against the chunk end checks them all.
     let mut next = 0u64;
     let mut opos = 0usize;
     let outside = |p: u64| Error::corrupt(context, format!("position {p} outside the chunk of {n} elements"));
-    for (g, out) in gaps.chunks(GAP_BLOCK).zip(positions.chunks_mut(GAP_BLOCK)) {
-        if let (Ok(g), Ok(out)) = (<&[u8; GAP_BLOCK]>::try_from(g), <&mut [u32; GAP_BLOCK]>::try_from(&mut *out)) {
+    for g in gaps.chunks(GAP_BLOCK) {
+        if let Ok(g) = <&[u8; GAP_BLOCK]>::try_from(g) {
             if !g.contains(&255) {
                 // No escapes: a plain prefix sum (at most 32 * 255 past `next`).
-                next = prefix_block(g, next, out);
+                next = prefix_block(g, next, &mut block);
                 if next > n as u64 {
                     return Err(outside(next - 1));
                 }
+                positions.extend_from_slice(&block);
                 continue;
             }
         }
+        let out = &mut block[..g.len()];
         for (&gap, o) in g.iter().zip(out.iter_mut()) {
             let gap = if gap < 255 {
                 u64::from(gap)
@@ -840,6 +844,7 @@ fn positions_with(
             *o = p as u32;
             next = p + 1;
         }
+        positions.extend_from_slice(out);
     }
     if opos != overflow.len() {
         return Err(Error::corrupt(context, "unused bytes in the gap overflow stream"));
