@@ -3,34 +3,46 @@
 //! context-free mode, where a Rice code beats zstd's Huffman table.
 
 pub(super) struct BitWriter {
-    out: Vec<u8>,
+    /// The whole bytes written so far, then at least 8 bytes of slack that
+    /// every `put` may overwrite.
+    buf: Vec<u8>,
+    /// Whole bytes written.
+    len: usize,
+    /// Bits not yet in whole bytes (`n < 8` between calls).
     acc: u64,
     n: u32,
 }
 
 impl BitWriter {
     pub(super) fn new() -> Self {
-        BitWriter { out: Vec::new(), acc: 0, n: 0 }
+        Self::with_capacity(0)
+    }
+    /// A writer with room for about `bytes` bytes before it grows.
+    pub(super) fn with_capacity(bytes: usize) -> Self {
+        BitWriter { buf: vec![0; bytes + 8], len: 0, acc: 0, n: 0 }
     }
     /// Append the `bits <= 32` low bits of `value`, least significant first.
+    /// Branch-free in the common case: the pending bits are stored as one
+    /// 8-byte word and the whole bytes among them counted as written.
     #[inline(always)]
     pub(super) fn put(&mut self, value: u64, bits: u32) {
-        debug_assert!(bits <= 32 && self.n < 32);
+        debug_assert!(bits <= 32 && self.n < 8);
         self.acc |= (value & ((1u64 << bits) - 1)) << self.n;
         self.n += bits;
-        if self.n >= 32 {
-            self.out.extend_from_slice(&(self.acc as u32).to_le_bytes());
-            self.acc >>= 32;
-            self.n -= 32;
+        if self.len + 8 > self.buf.len() {
+            self.buf.resize(2 * self.buf.len() + 8, 0);
         }
+        self.buf[self.len..self.len + 8].copy_from_slice(&self.acc.to_le_bytes());
+        let whole = self.n / 8;
+        self.len += whole as usize;
+        // `whole <= 4`: a shift by at most 32.
+        self.acc >>= 8 * whole;
+        self.n -= 8 * whole;
     }
     pub(super) fn finish(mut self) -> Vec<u8> {
-        while self.n > 0 {
-            self.out.push(self.acc as u8);
-            self.acc >>= 8;
-            self.n = self.n.saturating_sub(8);
-        }
-        self.out
+        // The pending bits (fewer than 8) are already in `buf` past `len`.
+        self.buf.truncate(self.len + usize::from(self.n > 0));
+        self.buf
     }
 }
 
@@ -128,14 +140,21 @@ pub(super) fn get_rice(r: &mut BitReader<'_>, k: u32) -> Option<u64> {
 }
 
 /// The bits of the gaps as Rice codes with parameters `k0`, `k0 + 1` and
-/// `k0 + 2` (all below 32), in one pass.
+/// `k0 + 2` (all below 32), in one pass. Summed in 32-bit lanes over
+/// blocks (at most 64 bits a code), which the compiler vectorises.
 fn rice_costs(gaps: &[u32], k0: u32) -> [u64; 3] {
     let mut costs = [0u64; 3];
-    for &g in gaps {
-        for (i, cost) in costs.iter_mut().enumerate() {
-            let k = k0 + i as u32;
-            let q = u64::from(g) >> k;
-            *cost += if q >= RICE_ESCAPE { RICE_ESCAPE + 32 } else { q + 1 + u64::from(k) };
+    for block in gaps.chunks(1 << 16) {
+        let mut sums = [0u32; 3];
+        for &g in block {
+            for (i, sum) in sums.iter_mut().enumerate() {
+                let k = k0 + i as u32;
+                let q = g >> k;
+                *sum += if u64::from(q) >= RICE_ESCAPE { RICE_ESCAPE as u32 + 32 } else { q + 1 + k };
+            }
+        }
+        for (cost, sum) in costs.iter_mut().zip(sums) {
+            *cost += u64::from(sum);
         }
     }
     costs

@@ -322,8 +322,8 @@ fn rice_positions(positions: &[u32]) -> Vec<u8> {
         gaps.push(p - next);
         next = p + 1;
     }
-    let (k, _) = best_rice_parameter(&gaps, u64::from(next), gaps.len() as u64);
-    let mut bits = BitWriter::new();
+    let (k, cost) = best_rice_parameter(&gaps, u64::from(next), gaps.len() as u64);
+    let mut bits = BitWriter::with_capacity(cost.div_ceil(8) as usize);
     for &g in &gaps {
         put_rice(&mut bits, u64::from(g), k);
     }
