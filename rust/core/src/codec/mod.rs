@@ -316,6 +316,26 @@ const RICE_MAX_CHANGES: usize = 4096;
 /// A rice payload's position part (its planes follow): the Rice codes are
 /// stored, as zstd finds nothing in them.
 fn rice_positions(positions: &[u32]) -> Vec<u8> {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("bmi2") {
+        // Safety: the CPU supports BMI2 (checked just above).
+        #[allow(unsafe_code)]
+        return unsafe { rice_positions_bmi2(positions) };
+    }
+    rice_positions_any(positions)
+}
+
+/// `rice_positions_any` compiled for BMI2, whose shifts by a register
+/// (`shlx`, `shrx`) are one instruction where the baseline's take three.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "bmi2")]
+unsafe fn rice_positions_bmi2(positions: &[u32]) -> Vec<u8> {
+    rice_positions_any(positions)
+}
+
+#[inline(always)]
+fn rice_positions_any(positions: &[u32]) -> Vec<u8> {
     let mut gaps = Vec::with_capacity(positions.len());
     let mut next = 0u32;
     for &p in positions {
