@@ -88,10 +88,12 @@ fn gather<T: Word>(
 ) {
     let w = T::BYTES;
     let overwrite = kind == ChangeKind::Overwrite;
-    let start = values.len();
-    values.resize(start + positions.len(), 0);
-    let out = &mut values[start..];
-    for (block, out) in positions.chunks(GATHER_BLOCK).zip(out.chunks_mut(GATHER_BLOCK)) {
+    values.reserve(positions.len());
+    // Each block's words are gathered on the stack and appended: no
+    // zero-filling of `values` first.
+    let mut words = [0u64; GATHER_BLOCK];
+    for block in positions.chunks(GATHER_BLOCK) {
+        let out = &mut words[..block.len()];
         #[cfg(target_arch = "x86_64")]
         if super::gather_x86::fits(block, w, old.len(), tracked_from.unwrap_or(0)) {
             use super::gather_x86::gather_block;
@@ -110,9 +112,11 @@ fn gather<T: Word>(
                 }
             };
             moves.add(moved);
+            values.extend_from_slice(out);
             continue;
         }
         gather_scalar::<T>(old, new, block, overwrite, tracked_from, out, moves);
+        values.extend_from_slice(out);
     }
 }
 
