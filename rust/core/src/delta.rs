@@ -149,7 +149,7 @@ pub fn make_header(layout: &Layout, base_digest: Digest, target_tensor_digests: 
 /// Encoding in the first pass saves reading the found changes back from
 /// memory (the profile of fp32m 10->15: splitting the values into byte
 /// planes 7.9 -> 3.6 % of the diff, the gap bytes 4.6 -> 3.1 %).
-pub const KEPT_CHANGES_BYTES: usize = 256 << 20;
+const KEPT_CHANGES_BYTES: usize = 256 << 20;
 
 /// What the first pass keeps of a chunk for the second.
 enum Found {
@@ -234,7 +234,7 @@ pub fn diff_from(
         let mut kept = Vec::with_capacity(units.len());
         for (u, (moved, found)) in units.iter().zip(found) {
             sums[u.tensor] = sums[u.tensor].plus(moved);
-            kept.push(Some(found));
+            kept.push(found);
         }
         (layout.checkpoint_digest(&old_d), sums.iter().map(DigestSum::digest).collect::<Vec<_>>(), kept)
     };
@@ -265,14 +265,15 @@ pub fn diff_from(
     let mut done_bytes = 0u64;
     let mut seq = 0u32;
     for (k, group) in units.chunks(batch).enumerate() {
-        let mut group_kept: Vec<Option<Found>> = match kept.get_mut(k * batch..k * batch + group.len()) {
-            Some(slots) => slots.iter_mut().map(Option::take).collect(),
-            None => (0..group.len()).map(|_| None).collect(),
+        // A dense delta keeps nothing: every chunk is done here.
+        let mut group_kept: Vec<Found> = match kept.get_mut(k * batch..k * batch + group.len()) {
+            Some(slots) => slots.iter_mut().map(|slot| std::mem::replace(slot, Found::Later)).collect(),
+            None => (0..group.len()).map(|_| Found::Later).collect(),
         };
         let encoded: Vec<Result<Option<codec::EncodedChunk>>> =
             crate::exec::map_mut(&mut group_kept, |i, found| {
                 let u = &group[i];
-                if let Some(Found::Encoded(chunk)) = found.take() {
+                if let Found::Encoded(chunk) = std::mem::replace(found, Found::Later) {
                     return Ok(chunk);
                 }
                 let w = width(u);

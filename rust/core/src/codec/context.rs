@@ -150,6 +150,8 @@ pub(super) struct Buckets {
 
 /// At most this many bounds (so at most 16 buckets).
 const MAX_BOUNDS: usize = 15;
+// The payload's first byte holds the bound count in its low 4 bits.
+const _: () = assert!(MAX_BOUNDS <= 0x0f);
 /// The encoder merges neighbouring contexts into at most this many buckets
 /// with changes.
 const MAX_BUCKETS_WITH_CHANGES: usize = 5;

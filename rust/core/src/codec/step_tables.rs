@@ -566,7 +566,7 @@ mod tests {
         }
     }
 
-    /// Code `magnitudes` in `contexts` and decode them back.
+    /// How many of `contexts` are each context, as the encoder is given.
     fn per_context(contexts: &[u16], nctx: usize) -> Vec<u64> {
         let mut counts = vec![0u64; nctx];
         for &c in contexts {
@@ -575,6 +575,7 @@ mod tests {
         counts
     }
 
+    /// Code `magnitudes` in `contexts` and decode them back.
     fn round_trip(contexts: &[u16], magnitudes: &[u64], nctx: usize, width: usize) -> Vec<u8> {
         let mut out = Vec::new();
         encode(contexts, magnitudes, &per_context(contexts, nctx), width, &mut out);
