@@ -337,11 +337,14 @@ def time_interleaved(dcr, inp, new_file: bytes, rounds: int) -> dict:
     """The speed targets' ratios from interleaved rounds: each round times,
     one after the other, zstd-1 compressing the NEW file, the dcr diff
     (free, committed digests kept), zstd-1 decompressing and the dcr
-    apply, each right after an untimed run of itself (so that each is timed
-    with its own data in cache, as in the rows above); the ratios are of
+    apply, each right after an untimed run of itself; the ratios are of
     the fastest time of each. Both sides of a ratio thus see the same
     stretches of a host whose speed moves within seconds, where the rows
-    above time each method in a block of its own, seconds apart."""
+    above time each method in a block of its own, seconds apart. On this
+    VM one untimed pass does not keep the 20 MB of OLD and NEW in the
+    last-level cache, so the diff here reads them from memory, as a refit
+    does, where the rows' back-to-back repeats find them in L3
+    (benches/RESULTS.md, twelfth session)."""
     d = DcrInMemory(dcr, inp, "free", known=True)
     cctx, dctx = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
     compressed = cctx.compress(new_file)
