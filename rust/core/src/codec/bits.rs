@@ -46,6 +46,7 @@ impl BitWriter {
     }
 }
 
+#[derive(Clone, Copy)]
 pub(super) struct BitReader<'a> {
     buf: &'a [u8],
     pos: usize,
@@ -139,6 +140,86 @@ pub(super) fn get_rice(r: &mut BitReader<'_>, k: u32) -> Option<u64> {
     Some((q << k) | low)
 }
 
+/// The next two Rice codes (parameter `k`) when both lie among the
+/// buffered bits after a refill, as they do unless a code is long; else
+/// `None` and nothing is read (the caller reads one with `get_rice`). One
+/// refill for two codes, and the second code's bits are found from the
+/// first's end without going through the reader's state: a shorter chain
+/// of dependent instructions per code than two calls of `get_rice`.
+#[inline(always)]
+pub(super) fn get_rice_pair(r: &mut BitReader<'_>, k: u32) -> Option<(u64, u64)> {
+    r.refill();
+    let acc = r.acc;
+    let ones1 = (!acc).trailing_zeros();
+    // Below the escape, `used1 <= 31 + 1 + 31`: the shifts stay below 64.
+    if u64::from(ones1) >= RICE_ESCAPE {
+        return None;
+    }
+    let used1 = ones1 + 1 + k;
+    let rest = acc >> used1;
+    let ones2 = (!rest).trailing_zeros();
+    let used2 = ones2 + 1 + k;
+    // Bits of `acc` past `n` are not the stream's yet: both codes must end
+    // at or before it.
+    if u64::from(ones2) >= RICE_ESCAPE || used1 + used2 > r.n {
+        return None;
+    }
+    let mask = (1u64 << k) - 1;
+    let first = (u64::from(ones1) << k) | ((acc >> (ones1 + 1)) & mask);
+    let second = (u64::from(ones2) << k) | ((rest >> (ones2 + 1)) & mask);
+    r.acc = rest >> used2;
+    r.n -= used1 + used2;
+    Some((first, second))
+}
+
+/// Read `count` Rice-coded gaps (parameter `k`) as ascending values
+/// appended to `out`: the first is its gap, each next one the previous
+/// plus one plus its gap (positions in a chunk, or ranks in a bucket).
+/// Returns the value after the last; `Err` names what is wrong when the
+/// stream ends early or a value would reach `limit` (at most 2^32).
+pub(super) fn read_ascending(original: &mut BitReader<'_>, k: u32, count: u64, limit: u64, out: &mut Vec<u32>) -> Result<u64, &'static str> {
+    debug_assert!(limit <= 1 << 32);
+    // At most `limit` values fit: a larger count is refused as it runs
+    // past the limit, never allocated for.
+    let count = count.min(limit + 1) as usize;
+    // The slots are made first, so that the loop calls nothing and the
+    // reader's state stays in registers.
+    let start = out.len();
+    out.resize(start + count, 0);
+    let slots = &mut out[start..];
+    // A copy of the reader, written back at the end: stores to `r` in the
+    // loop would not be moved out of it.
+    let mut reader = *original;
+    let r = &mut reader;
+    let mut next = 0u64;
+    let mut take = |at: usize, gap: u64| -> Result<(), &'static str> {
+        // No overflow: `next <= limit` and a gap is below 2^36.
+        let value = next + gap;
+        if value >= limit {
+            return Err("positions beyond the chunk's elements");
+        }
+        slots[at] = value as u32;
+        next = value + 1;
+        Ok(())
+    };
+    // Two codes at a time while both are buffered, else one.
+    let mut at = 0;
+    while at < count {
+        if at + 1 < count {
+            if let Some((first, second)) = get_rice_pair(r, k) {
+                take(at, first)?;
+                take(at + 1, second)?;
+                at += 2;
+                continue;
+            }
+        }
+        take(at, get_rice(r, k).ok_or("position stream ends early")?)?;
+        at += 1;
+    }
+    *original = reader;
+    Ok(next)
+}
+
 /// The bits of the gaps as Rice codes with parameters `k0`, `k0 + 1` and
 /// `k0 + 2` (all below 32), in one pass. Summed in 32-bit lanes over
 /// blocks (at most 64 bits a code), which the compiler vectorises.
@@ -187,6 +268,48 @@ mod tests {
         let mut r = BitReader::new(&buf);
         for &g in &gaps {
             assert_eq!(get_rice(&mut r, 2), Some(g));
+        }
+    }
+
+    /// Pairs where both codes are buffered, single codes otherwise, read
+    /// back the gaps of every parameter, long codes and escapes included,
+    /// up to the stream's end, and a pair never reads past it.
+    #[test]
+    fn rice_pairs_read_what_single_codes_read() {
+        let mut next = super::super::tests::xorshift(0x2545_f491_4f6c_dd1d);
+        for k in [0u32, 1, 3, 7, 12, 20, 31] {
+            for len in [0usize, 1, 2, 3, 9, 100, 1000] {
+                // Gaps below 2^32, as in a chunk (an escape holds 32 bits).
+                let gaps: Vec<u64> = (0..len)
+                    .map(|_| match next() % 16 {
+                        0 => next() % (1 << 32),         // escapes and long unary parts
+                        1 => ((next() % 40) << k) % (1 << 32), // long unary parts
+                        _ => next() % (4u64 << k),
+                    })
+                    .collect();
+                let mut w = BitWriter::new();
+                for &g in &gaps {
+                    put_rice(&mut w, g, k);
+                }
+                let buf = w.finish();
+                let mut r = BitReader::new(&buf);
+                let mut read = Vec::new();
+                while read.len() < len {
+                    if len - read.len() >= 2 {
+                        if let Some((a, b)) = get_rice_pair(&mut r, k) {
+                            read.extend([a, b]);
+                            continue;
+                        }
+                    }
+                    read.push(get_rice(&mut r, k).expect("every code is in the stream"));
+                }
+                assert_eq!(read, gaps, "k {k}, {len} gaps");
+                assert!(r.unread_bits() < 8, "k {k}: the stream is read to its last byte");
+                // Past the end a pair reads at most the last byte's padding
+                // (zero bits, which small parameters read as codes).
+                let _ = get_rice_pair(&mut r, k);
+                assert!(r.unread_bits() < 8, "k {k}: a pair read past the stream's end");
+            }
         }
     }
 }

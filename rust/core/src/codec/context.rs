@@ -37,7 +37,7 @@
 //! `pdep`. That work grows with the buckets a block touches, which is why
 //! positions use a few buckets rather than every exponent.
 
-use super::bits::{best_rice_parameter, get_rice, put_rice, BitReader, BitWriter};
+use super::bits::{best_rice_parameter, put_rice, read_ascending, BitReader, BitWriter};
 use super::range::{RangeDecoder, RangeEncoder, Rate, PROB_INIT};
 use super::step_tables;
 use super::streams::{get_varint, put_stream, put_varint, StreamReader};
@@ -791,13 +791,7 @@ fn rank_bitmaps(parsed: &Parsed<'_>, n: usize, rc: &mut RangeDecoder<'_>, contex
         maps.base[l.bucket] = base;
         let limit = if l.mode == MODE_RICE {
             ranks.clear();
-            let mut next = 0u64; // the rank after the previous change
-            for _ in 0..l.changes {
-                let gap = get_rice(&mut reader, l.k).ok_or_else(|| bad("position stream ends early"))?;
-                let rank = next.checked_add(gap).filter(|&r| r < bits_left).ok_or_else(|| bad("positions beyond the chunk's elements"))?;
-                ranks.push(rank);
-                next = rank + 1;
-            }
+            let next = read_ascending(&mut reader, l.k, l.changes, bits_left, &mut ranks).map_err(bad)?;
             maps.words.resize(base + next.div_ceil(64) as usize, 0);
             let map = &mut maps.words[base..];
             for &rank in &ranks {

@@ -19,7 +19,7 @@ mod scan;
 pub mod streams;
 mod bits;
 mod step_tables;
-use bits::{best_rice_parameter, get_rice, put_rice, BitReader, BitWriter};
+use bits::{best_rice_parameter, put_rice, read_ascending, BitReader, BitWriter};
 #[cfg(target_arch = "x86_64")]
 mod gather_x86;
 #[cfg(target_arch = "x86_64")]
@@ -358,13 +358,7 @@ fn positions_from_rice(bits: &[u8], k: u32, m: usize, n: usize, context: &str) -
     let bad = |detail: &str| Error::corrupt(context, detail.to_string());
     let mut reader = BitReader::new(bits);
     let mut positions = Vec::with_capacity(m);
-    let mut next = 0u64;
-    for _ in 0..m {
-        let gap = get_rice(&mut reader, k).ok_or_else(|| bad("position stream ends early"))?;
-        let p = next.checked_add(gap).filter(|&p| p < n as u64).ok_or_else(|| bad("positions beyond the chunk's elements"))?;
-        positions.push(p as u32);
-        next = p + 1;
-    }
+    read_ascending(&mut reader, k, m as u64, n as u64, &mut positions).map_err(bad)?;
     if reader.unread_bits() >= 8 {
         return Err(bad("position stream runs on past its last change"));
     }
