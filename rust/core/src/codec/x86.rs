@@ -360,6 +360,28 @@ unsafe fn wide_lanes<T: Word, const L: usize, const VBMI: bool>(old: &[u8], star
     (v, valid)
 }
 
+/// The (up to) 128 words of `old` from word `start` handed to `f` as a
+/// whole block of 128 words (a partial last block padded with zero words),
+/// and the masks of the valid elements of its two halves.
+#[inline(always)]
+fn with_block_of_128<T: Word, R>(old: &[u8], start: usize, f: impl FnOnce(&[u8]) -> R) -> (R, u64, u64) {
+    const B: usize = 128;
+    let w = T::BYTES;
+    let len = B.min(old.len() / w - start);
+    let block = &old[start * w..(start + len) * w];
+    if len == B {
+        return (f(block), u64::MAX, u64::MAX);
+    }
+    let valid = |from: usize| match len.saturating_sub(from) {
+        0 => 0,
+        k if k >= 64 => u64::MAX,
+        k => (1u64 << k) - 1,
+    };
+    let mut tail = [0u8; B * 4];
+    tail[..block.len()].copy_from_slice(block);
+    (f(&tail[..B * w]), valid(0), valid(64))
+}
+
 /// The bucket ids of the block of (up to) 128 words of `old` from word
 /// `start`, as two vectors of 64 bytes, and the masks of their valid
 /// elements (a partial last block is padded with zero words).
@@ -367,25 +389,9 @@ unsafe fn wide_lanes<T: Word, const L: usize, const VBMI: bool>(old: &[u8], star
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
 fn wide_block_buckets<T: Word>(old: &[u8], start: usize, walk: &Walk) -> (__m512i, __m512i, u64, u64) {
-    const B: usize = 128;
-    let w = T::BYTES;
-    let len = B.min(old.len() / w - start);
-    let block = &old[start * w..(start + len) * w];
-    let valid = |from: usize| match len.saturating_sub(from) {
-        0 => 0,
-        k if k >= 64 => u64::MAX,
-        k => (1u64 << k) - 1,
-    };
-    let ids = |v| wide_bucket_ids(v, &walk.bounds);
-    // Safety (both calls): the slice holds 128 words.
-    if len == B {
-        let (v0, v1) = unsafe { wide_context_vectors::<T>(block, walk.shift, walk.mask) };
-        return (ids(v0), ids(v1), u64::MAX, u64::MAX);
-    }
-    let mut tail = [0u8; B * 4];
-    tail[..block.len()].copy_from_slice(block);
-    let (v0, v1) = unsafe { wide_context_vectors::<T>(&tail[..B * w], walk.shift, walk.mask) };
-    (ids(v0), ids(v1), valid(0), valid(64))
+    // Safety: the block holds 128 words.
+    let ((v0, v1), valid0, valid1) = with_block_of_128::<T, _>(old, start, |block| unsafe { wide_context_vectors::<T>(block, walk.shift, walk.mask) });
+    (wide_bucket_ids(v0, &walk.bounds), wide_bucket_ids(v1, &walk.bounds), valid0, valid1)
 }
 
 /// `wide_block_buckets` by byte permutes (AVX-512 VBMI): the low byte of
@@ -395,10 +401,6 @@ fn wide_block_buckets<T: Word>(old: &[u8], start: usize, walk: &Walk) -> (__m512
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
 fn wide_block_buckets_vbmi<T: Word>(old: &[u8], start: usize, walk: &Walk) -> (__m512i, __m512i, u64, u64) {
-    const B: usize = 128;
-    let w = T::BYTES;
-    let len = B.min(old.len() / w - start);
-    let block = &old[start * w..(start + len) * w];
     // Safety: `of_byte` holds 256 bytes, four vectors.
     let table: [__m512i; 4] = std::array::from_fn(|i| unsafe { _mm512_loadu_si512(walk.of_byte.as_ptr().add(64 * i) as *const __m512i) });
     let ids = |v: __m512i| {
@@ -406,20 +408,9 @@ fn wide_block_buckets_vbmi<T: Word>(old: &[u8], start: usize, walk: &Walk) -> (_
         let high = _mm512_permutex2var_epi8(table[2], v, table[3]);
         _mm512_mask_blend_epi8(_mm512_movepi8_mask(v), low, high)
     };
-    // Safety (both calls): the slice holds 128 words.
-    if len == B {
-        let (v0, v1) = unsafe { wide_low_bytes::<T>(block, walk.shift) };
-        return (ids(v0), ids(v1), u64::MAX, u64::MAX);
-    }
-    let valid = |from: usize| match len.saturating_sub(from) {
-        0 => 0,
-        k if k >= 64 => u64::MAX,
-        k => (1u64 << k) - 1,
-    };
-    let mut tail = [0u8; B * 4];
-    tail[..block.len()].copy_from_slice(block);
-    let (v0, v1) = unsafe { wide_low_bytes::<T>(&tail[..B * w], walk.shift) };
-    (ids(v0), ids(v1), valid(0), valid(64))
+    // Safety: the block holds 128 words.
+    let ((v0, v1), valid0, valid1) = with_block_of_128::<T, _>(old, start, |block| unsafe { wide_low_bytes::<T>(block, walk.shift) });
+    (ids(v0), ids(v1), valid0, valid1)
 }
 
 /// The low byte of each of the 128 words at `words` shifted right by
