@@ -413,22 +413,70 @@ impl StepCoding {
     }
 }
 
-/// For each change (positions ascending), how many earlier elements of the
-/// chunk share its bucket.
-fn ranks<T: Word>(old: &[u8], model: &ContextModel, buckets: &Buckets, positions: &[u32]) -> Vec<u32> {
-    #[cfg(target_arch = "x86_64")]
-    if model.contexts() <= 256 && T::BYTES <= 4 && super::x86::available() {
-        let mut ranks = Vec::new();
-        super::x86::ranks::<T>(old, model, buckets, positions, &mut ranks);
-        return ranks;
-    }
-    ranks_reference::<T>(old, model, buckets, positions)
+/// Each bucket's changes as the gaps between their ranks (a change's rank:
+/// how many earlier elements of the chunk share its bucket), bucket by
+/// bucket: what the position codes of `encode_words` take.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct BucketGaps {
+    /// Bucket `b`'s gaps, in rank order, at `gaps[start[b]..start[b + 1]]`:
+    /// its first change's rank, then each rank less the one before, less one.
+    pub(super) gaps: Vec<u32>,
+    pub(super) start: Vec<usize>,
+    /// Per bucket: its last change's rank plus one (0 without changes),
+    /// the flags a coded-flags bucket codes.
+    pub(super) span: Vec<u32>,
 }
 
-/// `ranks`, one element at a time.
-fn ranks_reference<T: Word>(old: &[u8], model: &ContextModel, buckets: &Buckets, positions: &[u32]) -> Vec<u32> {
-    let mut ranks = Vec::with_capacity(positions.len());
+impl BucketGaps {
+    /// Room for `per_bucket[b]` gaps of each bucket `b`, none taken yet.
+    pub(super) fn with_counts(per_bucket: &[u32]) -> Self {
+        let mut start = Vec::with_capacity(per_bucket.len() + 1);
+        let mut total = 0usize;
+        start.push(0);
+        for &k in per_bucket {
+            total += k as usize;
+            start.push(total);
+        }
+        BucketGaps { gaps: vec![0; total], start, span: vec![0; per_bucket.len()] }
+    }
+
+    /// Take the next change of bucket `b`, whose rank is `rank`; `at` is
+    /// the bucket's next free slot.
+    #[inline(always)]
+    pub(super) fn take(&mut self, b: usize, at: &mut usize, rank: u32) {
+        self.gaps[*at] = rank - self.span[b];
+        *at += 1;
+        self.span[b] = rank + 1;
+    }
+
+    /// Check that every bucket took the changes it was sized for.
+    pub(super) fn check_complete(&self, at: &[usize]) {
+        assert!(
+            at.iter().zip(&self.start[1..]).all(|(a, end)| a == end),
+            "the changes per bucket match the positions"
+        );
+    }
+
+    fn of(&self, b: usize) -> &[u32] {
+        &self.gaps[self.start[b]..self.start[b + 1]]
+    }
+}
+
+/// The `BucketGaps` of the changes at `positions` (ascending, relative to
+/// the chunk `old`), of which `per_bucket[b]` lie in bucket `b`.
+fn bucket_gaps<T: Word>(old: &[u8], model: &ContextModel, buckets: &Buckets, positions: &[u32], per_bucket: &[u32]) -> BucketGaps {
+    #[cfg(target_arch = "x86_64")]
+    if model.contexts() <= 256 && T::BYTES <= 4 && super::x86::available() {
+        return super::x86::bucket_gaps::<T>(old, model, buckets, positions, per_bucket);
+    }
+    bucket_gaps_reference::<T>(old, model, buckets, positions, per_bucket)
+}
+
+/// `bucket_gaps`, one element at a time.
+fn bucket_gaps_reference<T: Word>(old: &[u8], model: &ContextModel, buckets: &Buckets, positions: &[u32], per_bucket: &[u32]) -> BucketGaps {
     let w = T::BYTES;
+    let mut out = BucketGaps::with_counts(per_bucket);
+    let mut at = out.start[..per_bucket.len()].to_vec();
     let mut seen = vec![0u32; buckets.len()];
     let bucket = |word: &[u8]| buckets.of(model.context(T::load(word)));
     let mut run_start = 0usize;
@@ -438,11 +486,12 @@ fn ranks_reference<T: Word>(old: &[u8], model: &ContextModel, buckets: &Buckets,
             seen[bucket(word)] += 1;
         }
         let b = bucket(&old[p * w..(p + 1) * w]);
-        ranks.push(seen[b]);
+        out.take(b, &mut at[b], seen[b]);
         seen[b] += 1;
         run_start = p + 1;
     }
-    ranks
+    out.check_complete(&at);
+    out
 }
 
 /// Position modes of a listed context (bit 0 of its table byte).
@@ -536,31 +585,35 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
     // the changes per context, which choose the buckets.
     let mut contexts = Vec::with_capacity(positions.len());
     let mut magnitudes = Vec::with_capacity(positions.len());
-    let mut signs = BitWriter::new();
-    let mut per_context = vec![0u64; nctx];
+    // The signs 64 at a time, bit `j % 64` of word `j / 64`.
+    let mut signs = Vec::with_capacity(positions.len().div_ceil(64));
+    // Four sets of counts, change `j` in set `j % 4`: most changes fall in
+    // a few contexts, and one counter would make each increment wait on
+    // the one before.
+    let mut per_context4 = vec![0u64; 4 * nctx];
     // The model's fields in locals, so that they stay in registers.
     let local = *model;
-    for &p in positions {
-        let p = p as usize;
-        let o = T::load(&old[p * w..(p + 1) * w]);
-        let c = local.context(o);
-        per_context[c] += 1;
-        let step = local.step(o, T::load(&new[p * w..(p + 1) * w]));
-        signs.put(u64::from(step < 0), 1);
-        contexts.push(c as u16);
-        magnitudes.push(step.unsigned_abs() - 1); // steps are never 0
+    for run in positions.chunks(64) {
+        let mut negative = 0u64;
+        for (j, &p) in run.iter().enumerate() {
+            let p = p as usize;
+            let o = T::load(&old[p * w..(p + 1) * w]);
+            let c = local.context(o);
+            per_context4[(j % 4) * nctx + c] += 1;
+            let step = local.step(o, T::load(&new[p * w..(p + 1) * w]));
+            negative |= u64::from(step < 0) << j;
+            contexts.push(c as u16);
+            magnitudes.push(step.unsigned_abs() - 1); // steps are never 0
+        }
+        signs.push(negative);
     }
+    let per_context: Vec<u64> = (0..nctx).map(|c| (0..4).map(|set| per_context4[set * nctx + c]).sum()).collect();
     let buckets = choose_buckets::<T>(old, model, &per_context);
-    let nb = buckets.len();
-    let mut next_free = vec![0u32; nb]; // subsequence index after the last change
-    let mut gaps: Vec<Vec<u32>> = vec![Vec::new(); nb];
-    let ranks = ranks::<T>(old, model, &buckets, positions);
-    // At each change: its gap within its bucket.
-    for (&c, &rank) in contexts.iter().zip(&ranks) {
-        let b = buckets.of(usize::from(c));
-        gaps[b].push(rank - next_free[b]);
-        next_free[b] = rank + 1;
+    let mut per_bucket = vec![0u32; buckets.len()];
+    for (c, &k) in per_context.iter().enumerate() {
+        per_bucket[buckets.of(c)] += k as u32; // a chunk has fewer than 2^32 elements
     }
+    let bucket_gaps = bucket_gaps::<T>(old, model, &buckets, positions, &per_bucket);
     // Per bucket: its flags range-coded when dense, else its gaps as Rice
     // codes with the best parameter, one bit stream for all buckets.
     let mut table = Vec::new();
@@ -576,12 +629,13 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
     let mut prev_bucket = 0usize;
     let mut rice = BitWriter::new();
     let mut rc = RangeEncoder::default();
-    for (b, gaps) in gaps.iter().enumerate() {
+    for b in 0..buckets.len() {
+        let gaps = bucket_gaps.of(b);
         let m_b = gaps.len() as u64;
         if m_b == 0 {
             continue;
         }
-        let span = u64::from(next_free[b]); // flags up to the last change
+        let span = u64::from(bucket_gaps.span[b]); // flags up to the last change
         let (k, rice_bits) = best_rice_parameter(gaps, span, m_b);
         let dense = m_b * CODED_FLAGS_SPAN_PER_CHANGE >= span;
         let (mode, k) = if dense && coded_flags_estimate(gaps, span) < CODED_FLAGS_GAIN * rice_bits as f64 {
@@ -612,7 +666,7 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
             }
         }
     }
-    out.extend_from_slice(&signs.finish());
+    out.extend(signs.iter().flat_map(|word| word.to_le_bytes()).take(positions.len().div_ceil(8)));
     out.extend_from_slice(&rc.finish());
     out
 }
@@ -955,7 +1009,7 @@ mod tests {
     }
 
     #[test]
-    fn fast_ranks_match_the_reference() {
+    fn fast_gaps_match_the_reference() {
         // Float-like words (a few exponents, zeros, a partial last block)
         // and every sixth or so element changed; buckets as the encoder
         // chooses them, one bucket for all, and bounds that split the
@@ -967,9 +1021,10 @@ mod tests {
             for n in [0usize, 1, 63, 64, 65, 127, 128, 129, 255, 256, 257, 383, 1000, 4099] {
                 let old = float_like_words(&mut next, n, width);
                 let positions: Vec<u32> = (0..n as u32).filter(|_| next().is_multiple_of(6)).collect();
+                let context_of = |p: u32| model.context(read_word(&old[p as usize * width..][..width]));
                 let mut per_context = vec![0u64; nctx];
                 for &p in &positions {
-                    per_context[model.context(read_word(&old[p as usize * width..][..width]))] += 1;
+                    per_context[context_of(p)] += 1;
                 }
                 let chosen = match width {
                     1 => choose_buckets::<u8>(&old, &model, &per_context),
@@ -978,21 +1033,38 @@ mod tests {
                 };
                 let split: Vec<usize> = [1usize, 3, 7, 100, 120, 121, 127, 130, 200].into_iter().filter(|&b| b < nctx).collect();
                 for buckets in [chosen, Buckets::new(Vec::new(), nctx), Buckets::new(split, nctx)] {
+                    let mut per_bucket = vec![0u32; buckets.len()];
+                    for &p in &positions {
+                        per_bucket[buckets.of(context_of(p))] += 1;
+                    }
+                    let args = (&old[..], &model, &buckets, &positions[..], &per_bucket[..]);
                     let (fast, slow) = match width {
-                        1 => (ranks::<u8>(&old, &model, &buckets, &positions), ranks_reference::<u8>(&old, &model, &buckets, &positions)),
-                        2 => (ranks::<u16>(&old, &model, &buckets, &positions), ranks_reference::<u16>(&old, &model, &buckets, &positions)),
-                        _ => (ranks::<u32>(&old, &model, &buckets, &positions), ranks_reference::<u32>(&old, &model, &buckets, &positions)),
+                        1 => (bucket_gaps::<u8>(args.0, args.1, args.2, args.3, args.4), bucket_gaps_reference::<u8>(args.0, args.1, args.2, args.3, args.4)),
+                        2 => (bucket_gaps::<u16>(args.0, args.1, args.2, args.3, args.4), bucket_gaps_reference::<u16>(args.0, args.1, args.2, args.3, args.4)),
+                        _ => (bucket_gaps::<u32>(args.0, args.1, args.2, args.3, args.4), bucket_gaps_reference::<u32>(args.0, args.1, args.2, args.3, args.4)),
                     };
+                    // The reference, by its definition: each change's rank
+                    // counted element by element.
+                    for (b, span) in slow.span.iter().enumerate() {
+                        let members: Vec<u32> = (0..n as u32).filter(|&p| buckets.of(context_of(p)) == b).collect();
+                        let ranks: Vec<u32> = (0..members.len() as u32).filter(|&r| positions.contains(&members[r as usize])).collect();
+                        let mut gaps = Vec::new();
+                        let mut free = 0;
+                        for &r in &ranks {
+                            gaps.push(r - free);
+                            free = r + 1;
+                        }
+                        assert_eq!((slow.of(b), *span), (&gaps[..], free), "bucket {b}");
+                    }
                     assert_eq!(fast, slow, "{dtype:?}, {n} elements, bounds {:?}", buckets.bounds);
-                    // Each kernel this CPU runs, not only the one `ranks` picks.
+                    // Each kernel this CPU runs, not only the one `bucket_gaps` picks.
                     #[cfg(target_arch = "x86_64")]
                     for kernel in super::super::x86::kernels_here() {
-                        let mut out = Vec::new();
-                        match width {
-                            1 => super::super::x86::ranks_with::<u8>(kernel, &old, &model, &buckets, &positions, &mut out),
-                            2 => super::super::x86::ranks_with::<u16>(kernel, &old, &model, &buckets, &positions, &mut out),
-                            _ => super::super::x86::ranks_with::<u32>(kernel, &old, &model, &buckets, &positions, &mut out),
-                        }
+                        let out = match width {
+                            1 => super::super::x86::bucket_gaps_with::<u8>(kernel, args.0, args.1, args.2, args.3, args.4),
+                            2 => super::super::x86::bucket_gaps_with::<u16>(kernel, args.0, args.1, args.2, args.3, args.4),
+                            _ => super::super::x86::bucket_gaps_with::<u32>(kernel, args.0, args.1, args.2, args.3, args.4),
+                        };
                         assert_eq!(out, slow, "{kernel:?}: {dtype:?}, {n} elements, bounds {:?}", buckets.bounds);
                     }
                 }

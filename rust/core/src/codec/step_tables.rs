@@ -232,18 +232,23 @@ pub(super) fn encode(contexts: &[u16], magnitudes: &[u64], per_context: &[u64], 
     }
     // Classes, their counts per table, and the raw bits in change order.
     let ntables = shared + 1;
-    let mut counts = vec![0u64; ntables * nclass];
+    // Four sets of counts, change `j` in set `j % 4`: most changes fall in
+    // a few symbols, and one counter would make each increment wait on
+    // the one before.
+    let nsymbols = ntables * nclass;
+    let mut counts4 = vec![0u64; 4 * nsymbols];
     let mut symbols = Vec::with_capacity(contexts.len());
     let mut raw = BitWriter::new();
-    for (&c, &v) in contexts.iter().zip(magnitudes) {
+    for (j, (&c, &v)) in contexts.iter().zip(magnitudes).enumerate() {
         let (class, bits) = class_of(v);
-        let t = usize::from(table_of[usize::from(c)]);
-        counts[t * nclass + class] += 1;
-        symbols.push((t * nclass + class) as u32);
+        let symbol = usize::from(table_of[usize::from(c)]) * nclass + class;
+        counts4[(j % 4) * nsymbols + symbol] += 1;
+        symbols.push(symbol as u32);
         if bits > 0 {
             put_wide(&mut raw, v, bits);
         }
     }
+    let counts: Vec<u64> = (0..nsymbols).map(|i| (0..4).map(|set| counts4[set * nsymbols + i]).sum()).collect();
     let mut tables = BitWriter::new();
     put_gamma(&mut tables, own.len() as u64 + 1);
     let mut next = 0usize;
@@ -255,29 +260,22 @@ pub(super) fn encode(contexts: &[u16], magnitudes: &[u64], per_context: &[u64], 
     put_table(&mut tables, &counts[shared * nclass..]);
     // Frequencies and starts from the counts as the decoder will read them.
     let rounded: Vec<u64> = counts.iter().map(|&k| rounded_count(k)).collect();
-    let mut freqs = vec![0u32; ntables * nclass];
-    let mut starts = vec![0u32; ntables * nclass];
+    let mut freqs = vec![0u32; nsymbols];
+    let mut coders = Vec::with_capacity(nsymbols);
     for t in 0..ntables {
         let range = t * nclass..(t + 1) * nclass;
         frequencies(&rounded[range.clone()], &mut freqs[range.clone()]);
         let mut start = 0;
-        for (s, &f) in starts[range.clone()].iter_mut().zip(&freqs[range]) {
-            *s = start;
+        for &f in &freqs[range] {
+            coders.push(SymbolCoder::new(f, start));
             start += f;
         }
     }
-    // rANS, backwards: a state at or above `f << 20` sheds 16 bits first,
-    // so that the coded state stays below 2^32.
+    // rANS, backwards.
     let mut states = [STATE_LOW; LANES];
     let mut words: Vec<u16> = Vec::with_capacity(contexts.len() / 2);
     for (j, &symbol) in symbols.iter().enumerate().rev() {
-        let (f, start) = (freqs[symbol as usize], starts[symbol as usize]);
-        let x = &mut states[j % LANES];
-        if u64::from(*x) >= u64::from(f) << (32 - SCALE_BITS) {
-            words.push(*x as u16);
-            *x >>= 16;
-        }
-        *x = ((*x / f) << SCALE_BITS) + *x % f + start;
+        coders[symbol as usize].put(&mut states[j % LANES], &mut words);
     }
     let mut rans = Vec::with_capacity(4 * LANES + 2 * words.len());
     for x in states {
@@ -289,6 +287,50 @@ pub(super) fn encode(contexts: &[u16], magnitudes: &[u64], per_context: &[u64], 
     for section in [tables.finish(), raw.finish(), rans] {
         put_varint(out, section.len() as u64);
         out.extend_from_slice(&section);
+    }
+}
+
+/// How the rANS encoder codes one symbol of frequency `f` and start `s`:
+/// `x -> (x / f) * 2^12 + x % f + s`, with the division done as a
+/// multiply by a reciprocal (a 32-bit division waits 12 or more cycles).
+#[derive(Clone, Copy, Debug)]
+struct SymbolCoder {
+    /// A state at or above this (`f << 20`) sheds 16 bits first, so that
+    /// the coded state stays below 2^32.
+    shed_from: u64,
+    /// `x / f` is the high half of `x * reciprocal` (for `f = 1`, that is
+    /// `x - 1`, made up for by `bias`).
+    reciprocal: u64,
+    bias: u32,
+    /// `2^12 - f`: the coded state is `x + bias + (x / f) * complement`.
+    complement: u32,
+}
+
+impl SymbolCoder {
+    fn new(f: u32, start: u32) -> Self {
+        assert!(f <= SCALE, "a frequency is at most the scale");
+        // For `f >= 2`, `floor(2^64 / f) + 1` exceeds `2^64 / f` by at most
+        // one part in `2^64 / f`; for `x < 2^32` that moves `x / f` by less
+        // than `2^-32`, never across an integer (its fraction is at most
+        // `1 - 1 / f`), so the high half is exactly `floor(x / f)`.
+        let (reciprocal, bias) = match f {
+            0 => (0, start), // never coded
+            1 => (u64::MAX, start + SCALE - 1),
+            _ => ((u64::MAX / u64::from(f)) + 1, start),
+        };
+        SymbolCoder { shed_from: u64::from(f) << (32 - SCALE_BITS), reciprocal, bias, complement: SCALE - f }
+    }
+
+    /// Code this symbol into the state `x`, shedding 16 bits to `words`
+    /// first when needed.
+    #[inline(always)]
+    fn put(&self, x: &mut u32, words: &mut Vec<u16>) {
+        if u64::from(*x) >= self.shed_from {
+            words.push(*x as u16);
+            *x >>= 16;
+        }
+        let quotient = ((u128::from(*x) * u128::from(self.reciprocal)) >> 64) as u32;
+        *x = x.wrapping_add(self.bias).wrapping_add(quotient.wrapping_mul(self.complement));
     }
 }
 
@@ -563,6 +605,33 @@ mod tests {
                     assert_eq!(k > 0, f > 0, "{counts:?} -> {freqs:?}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn reciprocal_coding_is_the_division() {
+        // Every frequency, with the states a coder meets: from 2^16 up to
+        // just below the shedding bound, edges and random ones between.
+        let mut next = xorshift(11);
+        for f in 1..=SCALE {
+            let start = (next() % u64::from(SCALE - f + 1)) as u32;
+            let coder = SymbolCoder::new(f, start);
+            let top = (u64::from(f) << (32 - SCALE_BITS)) - 1;
+            let mut states: Vec<u64> = vec![u64::from(STATE_LOW), u64::from(STATE_LOW) + 1, top, top - 1, top - u64::from(f)];
+            states.extend((0..64).map(|_| u64::from(STATE_LOW) + next() % (top - u64::from(STATE_LOW))));
+            for x in states {
+                let mut coded = x as u32;
+                let mut words = Vec::new();
+                coder.put(&mut coded, &mut words);
+                assert!(words.is_empty(), "f {f}, x {x}: no shedding below the bound");
+                let x = x as u32;
+                assert_eq!(coded, ((x / f) << SCALE_BITS) + x % f + start, "f {f}, x {x}");
+            }
+            // At the bound it sheds 16 bits first.
+            let mut coded = (top + 1).min(u64::from(u32::MAX)) as u32;
+            let mut words = Vec::new();
+            coder.put(&mut coded, &mut words);
+            assert_eq!(words.len(), usize::from(top < u64::from(u32::MAX)), "f {f}");
         }
     }
 

@@ -1,41 +1,41 @@
 //! Block-wise kernels of the context mode for x86-64 with AVX2 and BMI2:
-//! ranks (encoder) and positions (decoder).
+//! each bucket's rank gaps (encoder) and the changed positions (decoder).
 //!
 //! The chunk is walked in blocks of 64 elements. For each block the bucket
 //! of every element is computed into 64 bytes (two vectors: the context
 //! field, then one compare per bucket bound); for each bucket present in
 //! the block (and with changes), one compare gives the mask `m` of its
 //! elements, `k = popcount(m)` of them. The encoder adds `k` to the
-//! bucket's count (a change's rank is the count plus the elements of its
-//! bucket before it in the block). The decoder takes the next `k` bits of
+//! bucket's count; then, in element order, a change's rank is its bucket's
+//! count before the block plus the elements of `m` below it, and its gap
+//! goes to its bucket's list (one loop over the block's changes rather
+//! than one per bucket present, whose trip counts mispredict: 2.3 times
+//! faster on the training pairs). The decoder takes the next `k` bits of
 //! the bucket's rank bitmap, its changed flags, and `pdep` deposits them
 //! onto `m`; the union over buckets marks the block's changed elements. No
-//! per-element branches and no per-element state in memory: the cost is
-//! set by the buckets per block, hardly by the number of changes.
+//! per-element branches and no per-element state in memory: the decoder's
+//! cost is set by the buckets per block, hardly by the number of changes.
 //!
 //! Where the CPU also has AVX-512 (F and BW) both sides walk blocks of 256
 //! elements instead: one compare per 64 elements lands straight in a mask
 //! register, and the per-block work (the range of buckets present, the
 //! loop exit, which mispredicts) is paid a quarter as often. That made the
-//! whole context decode 10-15 % faster on the real pairs (Zen 4), and the
-//! context encode about 5 % on the one-step pairs (Intel Xeon; the encoder
-//! pays four compares per change instead of two, so at 6.5 % change it
-//! breaks even).
+//! whole context decode 10-15 % faster on the real pairs (Zen 4).
 //!
 //! Where the CPU also has AVX-512 VBMI, the bucket ids of 64 elements come
 //! from a 256-byte table (`Walk::of_byte`) through two byte permutes and a
 //! blend, whatever the number of bucket bounds, and the context bytes of 64
 //! two- or four-byte words are gathered by one or two permutes (Intel Xeon,
-//! the training pairs: the expansion 5-13 % and the encoder's rank kernel
-//! about 10 % faster than with a compare per bound).
+//! the training pairs: the expansion 5-13 % and the encoder's kernel about
+//! 10 % faster than with a compare per bound).
 //!
-//! Each kernel has a portable twin (`context::ranks_reference`,
+//! Each kernel has a portable twin (`context::bucket_gaps_reference`,
 //! `context::decode_reference`) that the tests hold it to.
 
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
-use super::context::{Buckets, ContextModel, RankBitmaps};
+use super::context::{BucketGaps, Buckets, ContextModel, RankBitmaps};
 use super::Word;
 
 /// Whether this CPU runs the block-wise decoder well: AVX2, BMI2 and
@@ -178,8 +178,6 @@ pub(super) struct Walk {
     shift: u32,
     mask: u8,
     bounds: Vec<u8>,
-    /// Each context byte's bucket, for the kernels' scalar side.
-    of: [u8; 256],
     /// The bucket of each value of the low byte of `word >> shift`, the
     /// bits above the field included (`Kernel::Avx512Vbmi`'s table).
     of_byte: [u8; 256],
@@ -191,13 +189,7 @@ impl Walk {
         let of: [u8; 256] = std::array::from_fn(|c| if c < model.contexts() { buckets.of(c) as u8 } else { 0 });
         let mask = model.mask as u8;
         let of_byte = std::array::from_fn(|b| of[usize::from(b as u8 & mask)]);
-        Walk { shift: model.shift, mask, bounds, of, of_byte }
-    }
-
-    /// The bucket of a word.
-    #[inline(always)]
-    fn bucket(&self, word: u64) -> usize {
-        usize::from(self.of[usize::from(((word >> self.shift) as u8) & self.mask)])
+        Walk { shift: model.shift, mask, bounds, of_byte }
     }
 }
 
@@ -659,187 +651,222 @@ unsafe fn min_max(v0: __m256i, v1: __m256i) -> (u8, u8) {
     (hmin(lo), !hmin(hi))
 }
 
-/// For each of the changed `positions` (ascending) of the chunk `old`, its
-/// rank: how many earlier elements share its bucket. The encoder's side of
-/// `expand`: 64 elements at a time, one compare and popcount per bucket
-/// present.
-pub(super) fn ranks<T: Word>(old: &[u8], model: &ContextModel, buckets: &Buckets, positions: &[u32], ranks: &mut Vec<u32>) {
-    ranks_with::<T>(widest(), old, model, buckets, positions, ranks);
+/// Each bucket's gaps (`BucketGaps`) for the changed `positions`
+/// (ascending) of the chunk `old`, of which `per_bucket[b]` lie in bucket
+/// `b`. The encoder's side of `expand`: per block and bucket present, one
+/// compare gives the bucket's elements `m`; each change among them has the
+/// rank of the bucket's count plus the elements of `m` below it.
+pub(super) fn bucket_gaps<T: Word>(old: &[u8], model: &ContextModel, buckets: &Buckets, positions: &[u32], per_bucket: &[u32]) -> BucketGaps {
+    bucket_gaps_with::<T>(widest(), old, model, buckets, positions, per_bucket)
 }
 
-/// `ranks` with a given kernel (the tests hold each to the reference).
-pub(super) fn ranks_with<T: Word>(
+/// `bucket_gaps` with a given kernel (the tests hold each to the reference).
+pub(super) fn bucket_gaps_with<T: Word>(
     kernel: Kernel,
     old: &[u8],
     model: &ContextModel,
     buckets: &Buckets,
     positions: &[u32],
-    ranks: &mut Vec<u32>,
-) {
+    per_bucket: &[u32],
+) -> BucketGaps {
     assert!(available() && model.contexts() <= 256 && T::BYTES <= 4, "the caller checks the CPU and the model");
     let walk = Walk::new(model, buckets);
     match kernel {
-        // Safety: the CPU has the features `ranks_avx2` is compiled for
-        // (checked just above).
-        #[allow(unsafe_code)]
-        Kernel::Avx2 => unsafe { ranks_avx2::<T>(old, &walk, positions, ranks) },
+        Kernel::Avx2 => {
+            let mut walker = GapWalker::<1>::new(per_bucket);
+            // Safety: the CPU has the features `gaps_avx2` is compiled for
+            // (checked just above).
+            #[allow(unsafe_code)]
+            unsafe {
+                gaps_avx2::<T>(old, &walk, positions, &mut walker)
+            };
+            walker.finish()
+        }
         Kernel::Avx512 => {
             assert!(wide_available(), "the caller checks the CPU");
+            let mut walker = GapWalker::<LANES>::new(per_bucket);
             // Safety: checked just above.
             #[allow(unsafe_code)]
             unsafe {
-                ranks_avx512::<T, LANES>(old, &walk, positions, ranks)
-            }
+                gaps_avx512::<T, LANES>(old, &walk, positions, &mut walker)
+            };
+            walker.finish()
         }
         Kernel::Avx512Vbmi => {
             assert!(vbmi_available(), "the caller checks the CPU");
+            let mut walker = GapWalker::<LANES>::new(per_bucket);
             // Safety: checked just above.
             #[allow(unsafe_code)]
             unsafe {
-                ranks_avx512_vbmi::<T, LANES>(old, &walk, positions, ranks)
-            }
+                gaps_avx512_vbmi::<T, LANES>(old, &walk, positions, &mut walker)
+            };
+            walker.finish()
         }
     }
 }
 
-/// Per bucket, how many changes lie ahead in `positions`, and the
-/// smallest and largest bucket with any.
-fn changes_ahead<T: Word>(old: &[u8], walk: &Walk, positions: &[u32]) -> ([u32; 256], u8, u8) {
-    let w = T::BYTES;
-    let mut ahead = [0u32; 256];
-    for &p in positions {
-        let p = p as usize;
-        ahead[walk.bucket(T::load(&old[p * w..(p + 1) * w]))] += 1;
+/// The state of a walk of the gap kernels over blocks of `64 * L`
+/// elements, per bucket (indexed by its id).
+struct GapWalker<const L: usize> {
+    out: BucketGaps,
+    /// The next free slot of its gaps.
+    at: [usize; 256],
+    /// How many of the elements before the current block it holds.
+    seen: [u32; 256],
+    /// Whether it has changes (only those need counting).
+    has_changes: [bool; 256],
+    /// The smallest and largest bucket with changes.
+    first: usize,
+    last: usize,
+    /// In the current block, per bucket with changes and lane of 64: its
+    /// elements, and how many it holds before the lane.
+    members: [[u64; L]; 256],
+    before: [[u32; L]; 256],
+}
+
+impl<const L: usize> GapWalker<L> {
+    fn new(per_bucket: &[u32]) -> Self {
+        assert!(per_bucket.len() <= 256, "at most 256 buckets");
+        let out = BucketGaps::with_counts(per_bucket);
+        let mut at = [0usize; 256];
+        at[..per_bucket.len()].copy_from_slice(&out.start[..per_bucket.len()]);
+        let mut has_changes = [false; 256];
+        for (has, &k) in has_changes.iter_mut().zip(per_bucket) {
+            *has = k > 0;
+        }
+        let first = per_bucket.iter().position(|&k| k > 0).unwrap_or(0);
+        let last = per_bucket.iter().rposition(|&k| k > 0).unwrap_or(0);
+        GapWalker { out, at, seen: [0; 256], has_changes, first, last, members: [[0; L]; 256], before: [[0; L]; 256] }
     }
-    let first = ahead.iter().position(|&a| a > 0).unwrap_or(0) as u8;
-    let last = ahead.iter().rposition(|&a| a > 0).unwrap_or(0) as u8;
-    (ahead, first, last)
+
+    /// Count bucket `c`'s elements in the current block: `members[lane]`
+    /// marks them among each 64.
+    #[inline(always)]
+    fn count(&mut self, c: usize, members: [u64; L]) {
+        let mut seen = self.seen[c];
+        for (before, m) in self.before[c].iter_mut().zip(members) {
+            *before = seen;
+            seen += m.count_ones();
+        }
+        self.members[c] = members;
+        self.seen[c] = seen;
+    }
+
+    /// Take the change at element `j` of the current block, of bucket `c`
+    /// (counted).
+    #[inline(always)]
+    fn take(&mut self, c: usize, j: usize) {
+        let (lane, bit) = (j / 64, j % 64);
+        let below = self.members[c][lane] & ((1u64 << bit) - 1);
+        let rank = self.before[c][lane] + below.count_ones();
+        self.out.take(c, &mut self.at[c], rank);
+    }
+
+    fn finish(self) -> BucketGaps {
+        self.out.check_complete(&self.at[..self.out.span.len()]);
+        self.out
+    }
 }
 
 /// Compiled with AVX-512 F/BW and BMI2: may only run where
-/// `wide_available()`. The walk of `ranks_avx2` by blocks of `64 * L`
+/// `wide_available()`. The walk of `gaps_avx2` by blocks of `64 * L`
 /// elements, as `expand_avx512` walks them: one compare per 64 elements
 /// straight into a mask, and the per-block work paid a quarter as often.
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f,avx512bw,avx2,bmi1,bmi2,popcnt")]
-unsafe fn ranks_avx512<T: Word, const L: usize>(old: &[u8], walk: &Walk, positions: &[u32], ranks: &mut Vec<u32>) {
+unsafe fn gaps_avx512<T: Word, const L: usize>(old: &[u8], walk: &Walk, positions: &[u32], walker: &mut GapWalker<L>) {
     // Safety: the caller's CPU has these features.
-    unsafe { rank_blocks::<T, L, false>(old, walk, positions, ranks) }
+    unsafe { gap_blocks::<T, L, false>(old, walk, positions, walker) }
 }
 
-/// `ranks_avx512` with the bucket ids by table lookup: may only run where
+/// `gaps_avx512` with the bucket ids by table lookup: may only run where
 /// `vbmi_available()`.
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx2,bmi1,bmi2,popcnt")]
-unsafe fn ranks_avx512_vbmi<T: Word, const L: usize>(old: &[u8], walk: &Walk, positions: &[u32], ranks: &mut Vec<u32>) {
+unsafe fn gaps_avx512_vbmi<T: Word, const L: usize>(old: &[u8], walk: &Walk, positions: &[u32], walker: &mut GapWalker<L>) {
     // Safety: the caller's CPU has these features.
-    unsafe { rank_blocks::<T, L, true>(old, walk, positions, ranks) }
+    unsafe { gap_blocks::<T, L, true>(old, walk, positions, walker) }
 }
 
-/// The body of the AVX-512 rank kernels, inlined into each.
+/// The body of the AVX-512 gap kernels, inlined into each. Per block: the
+/// buckets with changes counted, then the block's changes taken in
+/// element order (one loop over the changes, not one per bucket: its trip
+/// count is predicted far better).
 ///
 /// # Safety
 /// As for `expand_blocks`.
 #[allow(unsafe_code)]
 #[inline(always)]
-unsafe fn rank_blocks<T: Word, const L: usize, const VBMI: bool>(old: &[u8], walk: &Walk, positions: &[u32], ranks: &mut Vec<u32>) {
-    let w = T::BYTES;
-    let n = old.len() / w;
-    let mut counts = [0u32; 256];
-    // Only buckets with changes ahead need counting.
-    let (mut ahead, first, last) = changes_ahead::<T>(old, walk, positions);
+unsafe fn gap_blocks<T: Word, const L: usize, const VBMI: bool>(old: &[u8], walk: &Walk, positions: &[u32], walker: &mut GapWalker<L>) {
+    let n = old.len() / T::BYTES;
     let mut next = 0usize; // the next change
-    ranks.clear();
-    ranks.reserve(positions.len());
+    let mut ids = [[0u8; 64]; L];
     for start in (0..n).step_by(64 * L) {
         if next == positions.len() {
             break; // nothing after the last change needs counting
         }
         // Safety: these kernels run only where the CPU has AVX-512 F and BW.
         let (v, valid) = unsafe { wide_lanes::<T, L, VBMI>(old, start, walk) };
-        let len = (64 * L).min(n - start);
-        while let Some(&p) = positions.get(next) {
-            let j = (p as usize).checked_sub(start).expect("changed positions ascend");
-            if j >= len {
-                break;
-            }
-            let c = walk.bucket(T::load(&old[p as usize * w..][..w]));
-            let probe = _mm512_set1_epi8(c as u8 as i8);
-            // The elements of its bucket before it: whole lanes below its
-            // own, then the part of its lane below it.
-            let mut rank = counts[c];
-            for lane in 0..L {
-                let m = _mm512_cmpeq_epi8_mask(v[lane], probe) & valid[lane];
-                let below = match lane.cmp(&(j / 64)) {
-                    std::cmp::Ordering::Less => u64::MAX,
-                    std::cmp::Ordering::Equal => _bzhi_u64(u64::MAX, (j % 64) as u32),
-                    std::cmp::Ordering::Greater => 0,
-                };
-                rank += (m & below).count_ones();
-            }
-            ranks.push(rank);
-            ahead[c] -= 1;
-            next += 1;
-        }
         let (lo, hi) = wide_min_max(&v);
-        for c in usize::from(lo.max(first))..usize::from(hi.min(last)) + 1 {
-            if ahead[c] > 0 {
+        for c in usize::from(lo).max(walker.first)..usize::from(hi).min(walker.last) + 1 {
+            if walker.has_changes[c] {
                 let probe = _mm512_set1_epi8(c as u8 as i8);
-                for lane in 0..L {
-                    counts[c] += (_mm512_cmpeq_epi8_mask(v[lane], probe) & valid[lane]).count_ones();
-                }
+                walker.count(c, std::array::from_fn(|lane| _mm512_cmpeq_epi8_mask(v[lane], probe) & valid[lane]));
             }
         }
+        for (lane, ids) in ids.iter_mut().enumerate() {
+            // Safety: `ids` holds 64 bytes per lane.
+            unsafe { _mm512_storeu_si512(ids.as_mut_ptr() as *mut __m512i, v[lane]) };
+        }
+        take_block_changes(walker, ids.as_flattened(), positions, &mut next, start);
     }
-    assert_eq!(next, positions.len(), "changed positions lie inside the chunk");
+    assert_eq!(next, positions.len(), "changed positions ascend and lie inside the chunk");
+}
+
+/// Take the changes of the block of `64 * L` elements from `start`, whose
+/// bucket ids are `ids`, from `positions[*next..]`.
+#[inline(always)]
+fn take_block_changes<const L: usize>(walker: &mut GapWalker<L>, ids: &[u8], positions: &[u32], next: &mut usize, start: usize) {
+    while let Some(&p) = positions.get(*next) {
+        // Positions below `start` (not ascending) wrap to past the block
+        // and end the walk early, which the kernels refuse.
+        let j = (p as usize).wrapping_sub(start);
+        if j >= 64 * L {
+            break;
+        }
+        walker.take(usize::from(ids[j]), j);
+        *next += 1;
+    }
 }
 
 /// Compiled with AVX2 and BMI2: may only run where `available()`.
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx2,bmi1,bmi2,popcnt")]
-unsafe fn ranks_avx2<T: Word>(old: &[u8], walk: &Walk, positions: &[u32], ranks: &mut Vec<u32>) {
-    const B: usize = 64;
-    let w = T::BYTES;
-    let n = old.len() / w;
-    let mut counts = [0u32; 256];
-    // Only buckets with changes ahead need counting.
-    let (mut ahead, first, last) = changes_ahead::<T>(old, walk, positions);
-    let mut ctx = [0u8; B];
+unsafe fn gaps_avx2<T: Word>(old: &[u8], walk: &Walk, positions: &[u32], walker: &mut GapWalker<1>) {
+    let n = old.len() / T::BYTES;
     let mut next = 0usize; // the next change
-    ranks.clear();
-    ranks.reserve(positions.len());
-    for start in (0..n).step_by(B) {
+    let mut ids = [0u8; 64];
+    for start in (0..n).step_by(64) {
         if next == positions.len() {
             break; // nothing after the last change needs counting
         }
-        let (v0, v1, len, valid) = block_buckets::<T>(old, start, walk);
-        // Safety: `ctx` holds 64 bytes.
-        unsafe {
-            _mm256_storeu_si256(ctx.as_mut_ptr() as *mut __m256i, v0);
-            _mm256_storeu_si256(ctx.as_mut_ptr().add(32) as *mut __m256i, v1);
-        }
-        let elements = |c: u8| -> u64 {
-            let probe = _mm256_set1_epi8(c as i8);
-            (u64::from(_mm256_movemask_epi8(_mm256_cmpeq_epi8(v0, probe)) as u32)
-                | (u64::from(_mm256_movemask_epi8(_mm256_cmpeq_epi8(v1, probe)) as u32) << 32))
-                & valid
-        };
-        while let Some(&p) = positions.get(next) {
-            let j = (p as usize).checked_sub(start).expect("changed positions ascend");
-            if j >= len {
-                break;
-            }
-            let c = ctx[j];
-            ranks.push(counts[usize::from(c)] + (elements(c) & ((1u64 << j) - 1)).count_ones());
-            ahead[usize::from(c)] -= 1;
-            next += 1;
-        }
+        let (v0, v1, _, valid) = block_buckets::<T>(old, start, walk);
         let (lo, hi) = min_max(v0, v1);
-        for c in usize::from(lo.max(first))..usize::from(hi.min(last)) + 1 {
-            if ahead[c] > 0 {
-                counts[c] += elements(c as u8).count_ones();
+        for c in usize::from(lo).max(walker.first)..usize::from(hi).min(walker.last) + 1 {
+            if walker.has_changes[c] {
+                let probe = _mm256_set1_epi8(c as u8 as i8);
+                let members = (u64::from(_mm256_movemask_epi8(_mm256_cmpeq_epi8(v0, probe)) as u32)
+                    | (u64::from(_mm256_movemask_epi8(_mm256_cmpeq_epi8(v1, probe)) as u32) << 32))
+                    & valid;
+                walker.count(c, [members]);
             }
         }
+        // Safety: `ids` holds 64 bytes.
+        unsafe {
+            _mm256_storeu_si256(ids.as_mut_ptr() as *mut __m256i, v0);
+            _mm256_storeu_si256(ids.as_mut_ptr().add(32) as *mut __m256i, v1);
+        }
+        take_block_changes(walker, &ids, positions, &mut next, start);
     }
-    assert_eq!(next, positions.len(), "changed positions lie inside the chunk");
+    assert_eq!(next, positions.len(), "changed positions ascend and lie inside the chunk");
 }
