@@ -413,6 +413,61 @@ impl StepCoding {
     }
 }
 
+/// Each change's context and ulp step: what `encode_words` codes after
+/// the positions.
+#[derive(Debug, PartialEq, Eq)]
+struct Survey {
+    contexts: Vec<u16>,
+    /// The step's magnitude less one (steps are never 0).
+    magnitudes: Vec<u64>,
+    /// Bit `j % 16` of word `j / 16`: change `j`'s step is negative.
+    signs: Vec<u16>,
+}
+
+/// The `Survey` of the changes at `positions` (ascending, relative to the
+/// chunk) from `old` to `new`.
+fn survey<T: Word>(old: &[u8], new: &[u8], positions: &[u32], model: &ContextModel) -> Survey {
+    let m = positions.len();
+    let mut out = Survey { contexts: vec![0; m], magnitudes: vec![0; m], signs: vec![0; m.div_ceil(16)] };
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if T::BYTES <= 4 {
+        use super::gather_x86::{fits, survey_steps, StepModel32};
+        // The kernel takes the changes whose 4-byte loads stay inside the
+        // chunk: all but the last few words'.
+        let head = positions.partition_point(|&p| p as usize * T::BYTES + 4 <= old.len());
+        if fits(&positions[..head], T::BYTES, old.len(), 0) {
+            let step_model = StepModel32 { shift: model.shift, mask: model.mask as u32, float: model.float };
+            let (contexts, magnitudes, signs) = (&mut out.contexts[..head], &mut out.magnitudes[..head], &mut out.signs[..head.div_ceil(16)]);
+            // Safety: `fits` just above, and T::BYTES is 1, 2 or 4.
+            #[allow(unsafe_code)]
+            unsafe {
+                match T::BYTES {
+                    1 => survey_steps::<1>(old, new, &positions[..head], step_model, contexts, magnitudes, signs),
+                    2 => survey_steps::<2>(old, new, &positions[..head], step_model, contexts, magnitudes, signs),
+                    _ => survey_steps::<4>(old, new, &positions[..head], step_model, contexts, magnitudes, signs),
+                }
+            }
+            done = head;
+        }
+    }
+    survey_from::<T>(old, new, positions, model, done, &mut out);
+    out
+}
+
+/// `survey`, one change at a time, from change `from` on.
+fn survey_from<T: Word>(old: &[u8], new: &[u8], positions: &[u32], model: &ContextModel, from: usize, out: &mut Survey) {
+    let w = T::BYTES;
+    for (j, &p) in positions.iter().enumerate().skip(from) {
+        let p = p as usize;
+        let o = T::load(&old[p * w..(p + 1) * w]);
+        let step = model.step(o, T::load(&new[p * w..(p + 1) * w]));
+        out.contexts[j] = model.context(o) as u16;
+        out.magnitudes[j] = step.unsigned_abs() - 1;
+        out.signs[j / 16] |= u16::from(step < 0) << (j % 16);
+    }
+}
+
 /// Each bucket's changes as the gaps between their ranks (a change's rank:
 /// how many earlier elements of the chunk share its bucket), bucket by
 /// bucket: what the position codes of `encode_words` take.
@@ -583,29 +638,13 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
     let positions = &changes.positions;
     // Each change's context and ulp magnitude (coded after the flags), and
     // the changes per context, which choose the buckets.
-    let mut contexts = Vec::with_capacity(positions.len());
-    let mut magnitudes = Vec::with_capacity(positions.len());
-    // The signs 64 at a time, bit `j % 64` of word `j / 64`.
-    let mut signs = Vec::with_capacity(positions.len().div_ceil(64));
+    let Survey { contexts, magnitudes, signs } = survey::<T>(old, new, positions, model);
     // Four sets of counts, change `j` in set `j % 4`: most changes fall in
     // a few contexts, and one counter would make each increment wait on
     // the one before.
     let mut per_context4 = vec![0u64; 4 * nctx];
-    // The model's fields in locals, so that they stay in registers.
-    let local = *model;
-    for run in positions.chunks(64) {
-        let mut negative = 0u64;
-        for (j, &p) in run.iter().enumerate() {
-            let p = p as usize;
-            let o = T::load(&old[p * w..(p + 1) * w]);
-            let c = local.context(o);
-            per_context4[(j % 4) * nctx + c] += 1;
-            let step = local.step(o, T::load(&new[p * w..(p + 1) * w]));
-            negative |= u64::from(step < 0) << j;
-            contexts.push(c as u16);
-            magnitudes.push(step.unsigned_abs() - 1); // steps are never 0
-        }
-        signs.push(negative);
+    for (j, &c) in contexts.iter().enumerate() {
+        per_context4[(j % 4) * nctx + usize::from(c)] += 1;
     }
     let per_context: Vec<u64> = (0..nctx).map(|c| (0..4).map(|set| per_context4[set * nctx + c]).sum()).collect();
     let buckets = choose_buckets::<T>(old, model, &per_context);
@@ -1006,6 +1045,56 @@ mod tests {
                 word.to_le_bytes()[..width].to_vec()
             })
             .collect()
+    }
+
+    #[test]
+    fn survey_kernel_matches_the_scalar_loop() {
+        // Every dtype of up to 4 bytes; any bit patterns (NaNs, both
+        // zeros, subnormals, infinities, the largest steps), changes up
+        // to the chunk's last word, whose 4-byte load the kernel must not
+        // take.
+        let mut next = super::super::tests::xorshift(0x2545_f491_4f6c_dd1d);
+        let dtypes = [Dtype::BF16, Dtype::F16, Dtype::F32, Dtype::F8_E4M3, Dtype::F8_E5M2, Dtype::I8, Dtype::U8, Dtype::I16, Dtype::U32, Dtype::BOOL];
+        for dtype in dtypes {
+            let width = DType(dtype).word_bytes();
+            let model = ContextModel::for_dtype(DType(dtype));
+            let top = if width == 4 { u64::from(u32::MAX) } else { (1u64 << (8 * width)) - 1 };
+            let sign = 1u64 << (8 * width - 1);
+            let special = [0, sign, top, top ^ sign, 1, sign | 1, top - 1, sign - 1];
+            for n in [0usize, 1, 2, 3, 15, 16, 17, 33, 100, 1000] {
+                let pick = |r: u64| if r.is_multiple_of(4) { special[(r / 4 % 8) as usize] } else { (r >> 8) & top };
+                let old: Vec<u64> = (0..n).map(|_| pick(next())).collect();
+                let new: Vec<u64> = old.iter().enumerate().map(|(i, &o)| if i + 1 == n || next().is_multiple_of(3) { pick(next()) } else { o }).collect();
+                let positions: Vec<u32> = (0..n as u32).filter(|&i| old[i as usize] != new[i as usize]).collect();
+                let bytes = |words: &[u64]| -> Vec<u8> { words.iter().flat_map(|w| w.to_le_bytes()[..width].to_vec()).collect() };
+                let (old, new) = (bytes(&old), bytes(&new));
+                let m = positions.len();
+                let mut slow = Survey { contexts: vec![0; m], magnitudes: vec![0; m], signs: vec![0; m.div_ceil(16)] };
+                let fast = match width {
+                    1 => {
+                        survey_from::<u8>(&old, &new, &positions, &model, 0, &mut slow);
+                        survey::<u8>(&old, &new, &positions, &model)
+                    }
+                    2 => {
+                        survey_from::<u16>(&old, &new, &positions, &model, 0, &mut slow);
+                        survey::<u16>(&old, &new, &positions, &model)
+                    }
+                    _ => {
+                        survey_from::<u32>(&old, &new, &positions, &model, 0, &mut slow);
+                        survey::<u32>(&old, &new, &positions, &model)
+                    }
+                };
+                assert_eq!(fast, slow, "{dtype:?}, {n} words");
+                // The steps rebuild the new words.
+                for (j, &p) in positions.iter().enumerate() {
+                    let o = read_word(&old[p as usize * width..][..width]);
+                    let negative = (slow.signs[j / 16] >> (j % 16)) & 1 == 1;
+                    let magnitude = slow.magnitudes[j] as i64 + 1;
+                    let step = if negative { -magnitude } else { magnitude };
+                    assert_eq!(model.apply_step(o, step), read_word(&new[p as usize * width..][..width]), "{dtype:?}");
+                }
+            }
+        }
     }
 
     #[test]

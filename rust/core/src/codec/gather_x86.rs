@@ -179,6 +179,79 @@ pub(super) unsafe fn gather_block<const W: i32, const TRACK: bool>(
     moves_sum(&acc)
 }
 
+/// How the context mode reads a change (`context::ContextModel`, for
+/// words of at most 4 bytes): its context is `(old >> shift) & mask`, and
+/// with `float` the words are sign-magnitude (the ordinal map flips the
+/// magnitude bits of negative words).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct StepModel32 {
+    pub shift: u32,
+    pub mask: u32,
+    pub float: bool,
+}
+
+/// The context encoder's survey of its changes: for the change at
+/// `positions[j]`, its context (`contexts[j]`), its ulp step from `old` to
+/// `new` (`magnitudes[j]`: the step's magnitude less one; the sign: bit
+/// `j % 16` of `signs[j / 16]`, set when negative, which must start clear).
+/// Sixteen changes per step, their words gathered.
+///
+/// # Safety
+/// `fits(positions, W, old.len(), 0)`, and `W` is 1, 2 or 4.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub(super) unsafe fn survey_steps<const W: i32>(
+    old: &[u8],
+    new: &[u8],
+    positions: &[u32],
+    model: StepModel32,
+    contexts: &mut [u16],
+    magnitudes: &mut [u64],
+    signs: &mut [u16],
+) {
+    debug_assert!(fits(positions, W as usize, old.len(), 0));
+    let n = positions.len();
+    assert!(
+        old.len() == new.len() && contexts.len() == n && magnitudes.len() == n && signs.len() == n.div_ceil(16),
+        "old and new of one length, one output per position"
+    );
+    // Words in the high bits of each lane: the sign bit at bit 31.
+    let up = _mm_cvtsi32_si128(32 - 8 * W);
+    let shift = _mm_cvtsi32_si128(model.shift as i32);
+    let context_mask = _mm512_set1_epi32(model.mask as i32);
+    // The word's bits below its sign bit, in a word shifted up.
+    let below_sign = (i32::MAX >> (32 - 8 * W)) << (32 - 8 * W);
+    let magnitude_bits = _mm512_set1_epi32(if model.float { below_sign } else { 0 });
+    let ones = _mm512_set1_epi32(1);
+    // The ordinal of each word, shifted up (order-preserving, an
+    // involution).
+    let ordinal = |word: __m512i| {
+        let high = _mm512_sll_epi32(word, up);
+        _mm512_xor_si512(high, _mm512_and_si512(_mm512_srai_epi32::<31>(high), magnitude_bits))
+    };
+    let mut i = 0;
+    while i < n {
+        let m = lanes(n - i);
+        let vp = _mm512_maskz_loadu_epi32(m, positions.as_ptr().add(i).cast());
+        let vo = gather_words::<W>(old.as_ptr(), m, vp);
+        let vn = gather_words::<W>(new.as_ptr(), m, vp);
+        // The step in the high bits wraps as W-byte arithmetic does.
+        let step = _mm512_sra_epi32(_mm512_sub_epi32(ordinal(vn), ordinal(vo)), up);
+        let negative = _mm512_mask_cmplt_epi32_mask(m, step, _mm512_setzero_si512());
+        let magnitude = _mm512_sub_epi32(_mm512_abs_epi32(step), ones);
+        let context = _mm512_and_si512(_mm512_srl_epi32(vo, shift), context_mask);
+        _mm512_mask_cvtepi32_storeu_epi16(contexts.as_mut_ptr().add(i).cast(), m, context);
+        let dst = magnitudes.as_mut_ptr().add(i);
+        _mm512_mask_storeu_epi64(dst.cast(), m as __mmask8, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(magnitude)));
+        _mm512_mask_storeu_epi64(
+            dst.add(8).cast(),
+            (m >> 8) as __mmask8,
+            _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64::<1>(magnitude)),
+        );
+        signs[i / 16] = negative;
+        i += 16;
+    }
+}
+
 /// The byte planes of `W`-byte words held one per u64 (plane `j` holds
 /// byte `j` of each), in one pass over the words, eight at a time: the
 /// planes are written as they are narrowed, with no zero-filling first.
