@@ -396,7 +396,7 @@ pub(super) enum StepCoding {
     /// probabilities per context: no table to send, so it suits chunks
     /// with few changes.
     Adaptive = 0,
-    /// Static tables and four interleaved rANS states (`step_tables`):
+    /// Static tables and sixteen interleaved rANS states (`step_tables`):
     /// decoding is several times cheaper per change, for a few hundred
     /// bytes of tables.
     Tables = 1,
@@ -716,9 +716,11 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
 /// Both paths first decode each listed bucket's changed ranks into a
 /// bitmap. On x86-64 with AVX2 and a fast BMI2, words of up to 4 bytes with
 /// up to 256 contexts then expand those bitmaps into element order block by
-/// block (`codec::x86`); everything else (8-byte words, other CPUs) walks
-/// the elements one at a time (`decode_reference`). Both accept and refuse
-/// the same payloads and return the same changes.
+/// block (`codec::x86`), and with AVX-512 decode table-coded steps sixteen
+/// at a time (`step_tables::avx512`); everything else (8-byte words, other
+/// CPUs) walks the elements and the changes one at a time
+/// (`decode_reference`). Both accept and refuse the same payloads and
+/// return the same changes.
 pub fn decode(
     payload: &[u8],
     old: &[u8],
@@ -740,7 +742,8 @@ pub fn decode(
 }
 
 /// The portable decoder: rank bitmaps expanded into element order one
-/// element at a time. The test oracle of the fast decoder.
+/// element at a time, steps decoded one change at a time. The test oracle
+/// of the fast decoder.
 pub fn decode_reference(
     payload: &[u8],
     old: &[u8],
@@ -758,12 +761,14 @@ pub fn decode_reference(
     }
 }
 
-/// How rank bitmaps become element positions.
+/// How rank bitmaps become element positions, and steps new words.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Expansion {
-    /// One element at a time, a counter per bucket (portable).
+    /// One element and one change at a time, a counter per bucket
+    /// (portable).
     Elements,
-    /// 64 or 256 elements at a time (`codec::x86`; AVX2 and fast BMI2).
+    /// 64 or 256 elements at a time (`codec::x86`; AVX2 and fast BMI2),
+    /// and, with AVX-512, table-coded steps sixteen at a time.
     #[cfg(target_arch = "x86_64")]
     Blocks,
 }
@@ -980,21 +985,47 @@ fn decode_words<T: Word>(
     // Refused after the loop: a change that does not change its element.
     let mut unchanged = false;
     if let Some(sections) = &parsed.tables {
-        // Four changes per round, one per rANS state, so that the four
-        // chains overlap.
         let mut steps = step_tables::Decoder::new(sections, nctx, w, context)?;
-        let whole = m / 4 * 4;
-        for (q, (group, outs)) in positions[..whole].chunks_exact(4).zip(values[..whole].chunks_exact_mut(4)).enumerate() {
+        // Sixteen changes at a time where the CPU can (one per rANS state),
+        // all but the last few.
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        if expansion == Expansion::Blocks && w <= 4 && step_tables::avx512::available() {
+            use super::gather_x86::{fits, StepModel32};
+            let head = positions.partition_point(|&p| p as usize * w + 4 <= old.len()) / step_tables::LANES * step_tables::LANES;
+            if fits(&positions[..head], w, old.len(), 0) {
+                let step_model = StepModel32 { shift: model.shift, mask: model.mask as u32, float: model.float };
+                let xor = kind == ChangeKind::Xor;
+                let (group_positions, group_values) = (&positions[..head], &mut values[..head]);
+                // Safety: `fits` just above, `w` is 1, 2 or 4, and the CPU
+                // has what `decode_groups` needs (`available`).
+                #[allow(unsafe_code)]
+                unsafe {
+                    use step_tables::avx512::decode_groups;
+                    unchanged |= match w {
+                        1 => decode_groups::<1>(&mut steps, old, group_positions, signs, step_model, xor, group_values),
+                        2 => decode_groups::<2>(&mut steps, old, group_positions, signs, step_model, xor, group_values),
+                        _ => decode_groups::<4>(&mut steps, old, group_positions, signs, step_model, xor, group_values),
+                    };
+                }
+                done = head;
+            }
+        }
+        // Then four changes per round, one per rANS state, so that the
+        // four chains overlap.
+        let whole = done + (m - done) / 4 * 4;
+        for (q, (group, outs)) in positions[done..whole].chunks_exact(4).zip(values[done..whole].chunks_exact_mut(4)).enumerate() {
+            let first = done + 4 * q;
             let load = |p: u32| T::load(&old[p as usize * w..][..w]);
             let o = [load(group[0]), load(group[1]), load(group[2]), load(group[3])];
-            let v = steps.decode4([local.context(o[0]), local.context(o[1]), local.context(o[2]), local.context(o[3])]);
+            let v = steps.decode4(first % step_tables::LANES, [local.context(o[0]), local.context(o[1]), local.context(o[2]), local.context(o[3])]);
             for lane in 0..4 {
-                unchanged |= change::<T>(&local, kind, o[lane], v[lane], sign_bit(signs, 4 * q + lane), &mut outs[lane]);
+                unchanged |= change::<T>(&local, kind, o[lane], v[lane], sign_bit(signs, first + lane), &mut outs[lane]);
             }
         }
         for j in whole..m {
             let o = T::load(&old[positions[j] as usize * w..][..w]);
-            let v = steps.decode(j - whole, local.context(o));
+            let v = steps.decode(j % step_tables::LANES, local.context(o));
             unchanged |= change::<T>(&local, kind, o, v, sign_bit(signs, j), &mut values[j]);
         }
         steps.finish(context)?;

@@ -73,7 +73,7 @@ fn lanes(n: usize) -> __mmask16 {
 /// The `W`-byte words at the sixteen positions `vp` (masked lanes read
 /// nothing and give zero).
 #[inline(always)]
-unsafe fn gather_words<const W: i32>(base: *const u8, m: __mmask16, vp: __m512i) -> __m512i {
+pub(super) unsafe fn gather_words<const W: i32>(base: *const u8, m: __mmask16, vp: __m512i) -> __m512i {
     let raw = _mm512_mask_i32gather_epi32::<W>(_mm512_setzero_si512(), m, vp, base.cast());
     match W {
         1 => _mm512_and_si512(raw, _mm512_set1_epi32(0xFF)),

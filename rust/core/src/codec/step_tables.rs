@@ -1,9 +1,10 @@
 //! Table-coded ulp steps of the context-aware mode, used for chunks with
 //! many changes: a static model per chunk (a table of step classes for each
-//! busy context, one shared table for the rest) and four interleaved rANS
-//! states. Decoding a step is then a table lookup and a multiply on one of
-//! four independent chains, where the adaptive range coder takes two or
-//! more binary decisions, each waiting on the one before.
+//! busy context, one shared table for the rest) and sixteen interleaved
+//! rANS states. Decoding a step is then a table lookup and a multiply on
+//! one of sixteen independent chains, where the adaptive range coder takes
+//! two or more binary decisions, each waiting on the one before; with
+//! AVX-512 the sixteen are decoded together (`avx512`).
 //!
 //! - **Classes.** A magnitude `v = |step| - 1` below 2 is its own class.
 //!   Above, the class is `2 * (nb - 1) + b`: `nb` is the bit length of `v`
@@ -15,8 +16,8 @@
 //!   coded. Both sides turn the rounded counts into frequencies summing to
 //!   4096 by the same integer rule (`frequencies`).
 //! - **rANS.** 32-bit states kept in `[2^16, 2^32)`, 16-bit renormalisation;
-//!   change `j` is coded by state `j % 4`. The encoder runs backwards; the
-//!   stream holds the four final states, then the 16-bit words in the order
+//!   change `j` is coded by state `j % 16`. The encoder runs backwards; the
+//!   stream holds the sixteen final states, then the 16-bit words in the order
 //!   the decoder reads them. Every state must end where the encoder began
 //!   (`2^16`), and every word and raw bit must be used.
 //!
@@ -26,13 +27,16 @@ use super::bits::{BitReader, BitWriter};
 use super::streams::{get_varint, put_varint};
 use crate::error::{Error, Result};
 
+/// Zero bytes after the rANS words: one vector of sixteen words.
+const WORDS_PADDING: usize = 2 * LANES;
 /// Frequencies sum to `1 << SCALE_BITS`.
 const SCALE_BITS: u32 = 12;
 const SCALE: u32 = 1 << SCALE_BITS;
 /// The lower bound of a normalised state, and every state's start and end.
 const STATE_LOW: u32 = 1 << 16;
-/// Interleaved states.
-const LANES: usize = 4;
+/// Interleaved states: as many as the 32-bit lanes of an AVX-512 vector,
+/// so that `avx512` decodes sixteen changes per step.
+pub(super) const LANES: usize = 16;
 /// A context with fewer changes uses the shared table.
 const OWN_TABLE_MIN_CHANGES: u64 = 32;
 /// At most this many contexts have a table of their own in one chunk.
@@ -366,8 +370,9 @@ pub(super) struct Decoder {
     /// and the class's frequency less one (low 12 bits).
     slots: Vec<u32>,
     states: [u32; LANES],
-    /// The rANS words, then two zero bytes (read, never used, once a
-    /// corrupt stream runs past its end).
+    /// The rANS words, then `WORDS_PADDING` zero bytes (read, never used:
+    /// by the vector loads of `avx512`, and once a corrupt stream runs
+    /// past its end).
     words: Vec<u8>,
     words_len: usize,
     pos: usize,
@@ -476,24 +481,25 @@ impl Decoder {
         }
         let (head, stream) = sections.rans.split_at(4 * LANES);
         let states = std::array::from_fn(|l| u32::from_le_bytes(head[4 * l..4 * l + 4].try_into().expect("4 bytes")));
-        let mut words = Vec::with_capacity(stream.len() + 2);
+        let mut words = Vec::with_capacity(stream.len() + WORDS_PADDING);
         words.extend_from_slice(stream);
-        words.extend_from_slice(&[0, 0]);
+        words.extend_from_slice(&[0; WORDS_PADDING]);
         Ok(Decoder { table_of, slots, states, words, words_len: stream.len(), pos: 0, raw: RawBits::new(sections.raw) })
     }
 
-    /// The magnitudes of the next four changes, in contexts `ctx` (one per
-    /// state, in order). The streams' positions are kept in locals for the
-    /// four, so that only the states' own chains remain.
+    /// The magnitudes of the next four changes, in contexts `ctx`, coded
+    /// by states `lane..lane + 4` (`lane` a multiple of 4). The streams'
+    /// positions are kept in locals for the four, so that only the states'
+    /// own chains remain.
     #[inline(always)]
-    pub(super) fn decode4(&mut self, ctx: [usize; 4]) -> [u64; 4] {
+    pub(super) fn decode4(&mut self, lane: usize, ctx: [usize; 4]) -> [u64; 4] {
         let mut pos = self.pos;
         let mut bit = self.raw.bit;
         let out = [
-            self.step(0, ctx[0], &mut pos, &mut bit),
-            self.step(1, ctx[1], &mut pos, &mut bit),
-            self.step(2, ctx[2], &mut pos, &mut bit),
-            self.step(3, ctx[3], &mut pos, &mut bit),
+            self.step(lane, ctx[0], &mut pos, &mut bit),
+            self.step(lane + 1, ctx[1], &mut pos, &mut bit),
+            self.step(lane + 2, ctx[2], &mut pos, &mut bit),
+            self.step(lane + 3, ctx[3], &mut pos, &mut bit),
         ];
         self.pos = pos;
         self.raw.bit = bit;
@@ -525,7 +531,7 @@ impl Decoder {
         // Renormalise without a branch: shift in the next word when the
         // state fell below its range.
         let at = (*pos).min(self.words_len);
-        // SAFETY: `words` holds `words_len + 2` bytes and `at <= words_len`.
+        // SAFETY: `words` holds `words_len + WORDS_PADDING` bytes and `at <= words_len`.
         let word = u32::from(u16::from_le_bytes(unsafe { [*self.words.get_unchecked(at), *self.words.get_unchecked(at + 1)] }));
         let low = u32::from(x < STATE_LOW);
         self.states[lane] = x << (16 * low) | word & low.wrapping_neg();
@@ -550,6 +556,142 @@ impl Decoder {
             return bad("raw bits missing or left over");
         }
         Ok(())
+    }
+}
+
+/// AVX-512 decoding of table-coded steps, sixteen changes per step, one
+/// per rANS state: each change's old word, context, table and slot entry
+/// gathered, the sixteen renormalisations fed by one expand of the next
+/// words, the raw bits found from a prefix sum of their lengths, and the
+/// new words made in the words' high bits (as `gather_x86::survey_steps`
+/// makes the steps). `Decoder::step` is the reference the tests hold it to.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+pub(super) mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{Decoder, LANES, SCALE, SCALE_BITS, STATE_LOW};
+    use crate::codec::gather_x86::{self, gather_words, StepModel32};
+
+    /// Whether this CPU runs `decode_groups`.
+    pub(in crate::codec) fn available() -> bool {
+        gather_x86::available()
+    }
+
+    /// The inclusive prefix sum of the sixteen lanes of `v`.
+    #[inline(always)]
+    unsafe fn prefix_sum(v: __m512i) -> __m512i {
+        let zero = _mm512_setzero_si512();
+        let v = _mm512_add_epi32(v, _mm512_alignr_epi32::<15>(v, zero));
+        let v = _mm512_add_epi32(v, _mm512_alignr_epi32::<14>(v, zero));
+        let v = _mm512_add_epi32(v, _mm512_alignr_epi32::<12>(v, zero));
+        _mm512_add_epi32(v, _mm512_alignr_epi32::<8>(v, zero))
+    }
+
+    /// The `bits[k]` bits at bit `at[k]` of `raw` (which ends with eight
+    /// padding bytes; a byte offset past its last eight bytes is clamped,
+    /// as `RawBits::narrow` clamps it) for eight lanes.
+    #[inline(always)]
+    unsafe fn raw_bits8(raw: &[u8], at: __m256i, bits: __m256i) -> __m256i {
+        let last = _mm256_set1_epi32((raw.len() - 8) as i32);
+        let bytes = _mm256_min_epu32(_mm256_srli_epi32::<3>(at), last);
+        let words = _mm512_i32gather_epi64::<1>(bytes, raw.as_ptr().cast());
+        let shift = _mm512_cvtepu32_epi64(_mm256_and_si256(at, _mm256_set1_epi32(7)));
+        let one = _mm512_set1_epi64(1);
+        let mask = _mm512_sub_epi64(_mm512_sllv_epi64(one, _mm512_cvtepu32_epi64(bits)), one);
+        _mm512_cvtepi64_epi32(_mm512_and_si512(_mm512_srlv_epi64(words, shift), mask))
+    }
+
+    /// Decode the steps of the changes at `positions` (a whole number of
+    /// groups of sixteen, the next of the stream) against `old`, their signs
+    /// from bit `j % 8` of `signs[j / 8]`, into `values` (XOR masks, or the
+    /// new words unless `xor`). Returns whether a change leaves its element
+    /// as it was (a corrupt payload).
+    ///
+    /// # Safety
+    /// `gather_x86::fits(positions, W, old.len(), 0)`, `W` is 1, 2 or 4, and
+    /// the CPU has AVX-512 F, BW and VL (`available()`).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(in crate::codec) unsafe fn decode_groups<const W: i32>(
+        steps: &mut Decoder,
+        old: &[u8],
+        positions: &[u32],
+        signs: &[u8],
+        model: StepModel32,
+        xor: bool,
+        values: &mut [u64],
+    ) -> bool {
+        let n = positions.len();
+        assert!(
+            n.is_multiple_of(LANES) && values.len() == n && signs.len() * 8 >= n && steps.table_of.len() > model.mask as usize,
+            "whole groups, one value and one sign per change, a table for every context"
+        );
+        // Each context's table, as the first of its slots.
+        let table_of: Vec<u32> = steps.table_of.iter().map(|&t| u32::from(t) << SCALE_BITS).collect();
+        let raw = &steps.raw.bytes[..];
+        // Bit offsets in 32-bit lanes: the base is clamped to the end of
+        // the raw bits (reads there are clamped anyway; a stream read that
+        // far is refused by `finish`, which counts `bit` in full).
+        let raw_end = u32::try_from(8 * raw.len()).unwrap_or(u32::MAX / 2).min(u32::MAX / 2);
+        let up = _mm_cvtsi32_si128(32 - 8 * W);
+        let shift = _mm_cvtsi32_si128(model.shift as i32);
+        let context_mask = _mm512_set1_epi32(model.mask as i32);
+        let below_sign = (i32::MAX >> (32 - 8 * W)) << (32 - 8 * W);
+        let magnitude_bits = _mm512_set1_epi32(if model.float { below_sign } else { 0 });
+        // The order-preserving map of words in the high bits (an involution).
+        let ordinal = |high: __m512i| _mm512_xor_si512(high, _mm512_and_si512(_mm512_srai_epi32::<31>(high), magnitude_bits));
+        let (zero, ones, twos) = (_mm512_setzero_si512(), _mm512_set1_epi32(1), _mm512_set1_epi32(2));
+        let low12 = _mm512_set1_epi32((SCALE - 1) as i32);
+        let state_low = _mm512_set1_epi32(STATE_LOW as i32);
+        let mut x = _mm512_loadu_si512(steps.states.as_ptr().cast());
+        let (mut pos, mut bit) = (steps.pos, steps.raw.bit);
+        let mut unchanged: __mmask16 = 0;
+        for (g, (group, out)) in positions.chunks_exact(LANES).zip(values.chunks_exact_mut(LANES)).enumerate() {
+            let vp = _mm512_loadu_si512(group.as_ptr().cast());
+            let vo = gather_words::<W>(old.as_ptr(), 0xFFFF, vp);
+            let context = _mm512_and_si512(_mm512_srl_epi32(vo, shift), context_mask);
+            let table = _mm512_i32gather_epi32::<4>(context, table_of.as_ptr().cast());
+            let entry = _mm512_i32gather_epi32::<4>(_mm512_or_si512(table, _mm512_and_si512(x, low12)), steps.slots.as_ptr().cast());
+            let class = _mm512_srli_epi32::<24>(entry);
+            let frequency = _mm512_add_epi32(_mm512_and_si512(entry, low12), ones);
+            x = _mm512_add_epi32(_mm512_mullo_epi32(frequency, _mm512_srli_epi32::<SCALE_BITS>(x)), _mm512_and_si512(_mm512_srli_epi32::<12>(entry), low12));
+            // Renormalise: the states that fell low take the next words,
+            // in lane order.
+            let low = _mm512_cmplt_epu32_mask(x, state_low);
+            let at = pos.min(steps.words_len);
+            // Safety: `words` holds `words_len` bytes and 32 of padding.
+            let next = _mm512_cvtepu16_epi32(_mm256_loadu_si256(steps.words.as_ptr().add(at).cast()));
+            x = _mm512_mask_or_epi32(x, low, _mm512_slli_epi32::<16>(x), _mm512_maskz_expand_epi32(low, next));
+            pos += 2 * low.count_ones() as usize;
+            // The raw bits below the classes that have them.
+            let raw_lengths = _mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32::<1>(class), ones), zero);
+            let mut below = zero;
+            if _mm512_test_epi32_mask(raw_lengths, raw_lengths) != 0 {
+                let base = (bit as u64).min(u64::from(raw_end)) as i32;
+                let at = _mm512_add_epi32(_mm512_set1_epi32(base), _mm512_sub_epi32(prefix_sum(raw_lengths), raw_lengths));
+                let half = |v: __m512i, k: usize| if k == 0 { _mm512_castsi512_si256(v) } else { _mm512_extracti64x4_epi64::<1>(v) };
+                let low_half = raw_bits8(raw, half(at, 0), half(raw_lengths, 0));
+                let high_half = raw_bits8(raw, half(at, 1), half(raw_lengths, 1));
+                below = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(low_half), high_half);
+                bit += _mm512_reduce_add_epi32(raw_lengths) as usize;
+            }
+            // The magnitude: the class itself below 2, else its top two
+            // bits shifted over the raw ones (`magnitude`).
+            let top = _mm512_sllv_epi32(_mm512_or_si512(twos, _mm512_and_si512(class, ones)), _mm512_sub_epi32(_mm512_srli_epi32::<1>(class), ones));
+            let magnitude = _mm512_mask_mov_epi32(_mm512_or_si512(top, below), _mm512_cmplt_epu32_mask(class, twos), class);
+            let negative = u16::from_le_bytes([signs[2 * g], signs[2 * g + 1]]);
+            let size = _mm512_add_epi32(magnitude, ones);
+            let step = _mm512_mask_sub_epi32(size, negative, zero, size);
+            let new = _mm512_srl_epi32(ordinal(_mm512_add_epi32(ordinal(_mm512_sll_epi32(vo, up)), _mm512_sll_epi32(step, up))), up);
+            unchanged |= _mm512_cmpeq_epi32_mask(new, vo);
+            let value = if xor { _mm512_xor_si512(vo, new) } else { new };
+            _mm512_storeu_si512(out.as_mut_ptr().cast(), _mm512_cvtepu32_epi64(_mm512_castsi512_si256(value)));
+            _mm512_storeu_si512(out.as_mut_ptr().add(8).cast(), _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64::<1>(value)));
+        }
+        _mm512_storeu_si512(steps.states.as_mut_ptr().cast(), x);
+        steps.pos = pos;
+        steps.raw.bit = bit;
+        unchanged != 0
     }
 }
 
@@ -690,10 +832,10 @@ mod tests {
     #[test]
     fn one_class_tables_cost_nothing_per_step() {
         // Every change one ulp: each table has a single class of frequency
-        // 4096, and the rANS stream is only its four states.
+        // 4096, and the rANS stream is only its states (4 bytes each).
         let contexts: Vec<u16> = (0..10_000).map(|j| (j % 3) as u16).collect();
         let out = round_trip(&contexts, &vec![0; 10_000], 4, 2);
-        assert!(out.len() < 40, "{} bytes", out.len());
+        assert!(out.len() < 4 * LANES + 10, "{} bytes", out.len());
     }
 
     #[test]
