@@ -240,17 +240,30 @@ pub(super) fn encode(contexts: &[u16], magnitudes: &[u64], per_context: &[u64], 
     // a few symbols, and one counter would make each increment wait on
     // the one before.
     let nsymbols = ntables * nclass;
-    let mut counts4 = vec![0u64; 4 * nsymbols];
-    let mut symbols = Vec::with_capacity(contexts.len());
+    let mut symbols = vec![0u32; contexts.len()];
     let mut raw = BitWriter::new();
-    for (j, (&c, &v)) in contexts.iter().zip(magnitudes).enumerate() {
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if width <= 4 && avx512::classify_available() {
+        let first_symbol: Vec<u32> = table_of.iter().map(|&t| u32::from(t) * nclass as u32).collect();
+        done = contexts.len() / LANES * LANES;
+        // Safety: `classify_available()`, and the magnitudes of words of
+        // at most 4 bytes are below 2^32.
+        #[allow(unsafe_code)]
+        unsafe {
+            avx512::classify(&contexts[..done], &magnitudes[..done], &first_symbol, &mut symbols[..done], &mut raw)
+        };
+    }
+    for ((&c, &v), symbol) in contexts.iter().zip(magnitudes).zip(symbols.iter_mut()).skip(done) {
         let (class, bits) = class_of(v);
-        let symbol = usize::from(table_of[usize::from(c)]) * nclass + class;
-        counts4[(j % 4) * nsymbols + symbol] += 1;
-        symbols.push(symbol as u32);
+        *symbol = (usize::from(table_of[usize::from(c)]) * nclass + class) as u32;
         if bits > 0 {
             put_wide(&mut raw, v, bits);
         }
+    }
+    let mut counts4 = vec![0u64; 4 * nsymbols];
+    for (j, &symbol) in symbols.iter().enumerate() {
+        counts4[(j % 4) * nsymbols + symbol as usize] += 1;
     }
     let counts: Vec<u64> = (0..nsymbols).map(|i| (0..4).map(|set| counts4[set * nsymbols + i]).sum()).collect();
     let mut tables = BitWriter::new();
@@ -570,12 +583,62 @@ impl Decoder {
 pub(super) mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{Decoder, LANES, SCALE, SCALE_BITS, STATE_LOW};
+    use std::sync::OnceLock;
+
+    use super::{class_of, Decoder, LANES, SCALE, SCALE_BITS, STATE_LOW};
+    use crate::codec::bits::BitWriter;
     use crate::codec::gather_x86::{self, gather_words, StepModel32};
 
     /// Whether this CPU runs `decode_groups`.
     pub(in crate::codec) fn available() -> bool {
         gather_x86::available()
+    }
+
+    /// Whether this CPU runs `classify` (AVX-512 CD's leading zero counts).
+    pub(in crate::codec) fn classify_available() -> bool {
+        static CLASSIFY: OnceLock<bool> = OnceLock::new();
+        *CLASSIFY.get_or_init(|| available() && is_x86_feature_detected!("avx512cd"))
+    }
+
+    /// The encoder's first pass, sixteen changes per step: change `j`'s
+    /// symbol is `first_symbol[contexts[j]]` (its table's first) plus the
+    /// class of `magnitudes[j]`, and its raw bits go to `raw`, in change
+    /// order. Only the few changes with raw bits take a scalar step.
+    ///
+    /// # Safety
+    /// `classify_available()`; every magnitude is below 2^32 (words of at
+    /// most 4 bytes); `contexts.len()` is a multiple of 16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512cd")]
+    pub(in crate::codec) unsafe fn classify(contexts: &[u16], magnitudes: &[u64], first_symbol: &[u32], symbols: &mut [u32], raw: &mut BitWriter) {
+        let n = contexts.len();
+        assert!(
+            n.is_multiple_of(LANES) && magnitudes.len() == n && symbols.len() == n && contexts.iter().all(|&c| usize::from(c) < first_symbol.len()),
+            "whole groups, one magnitude and symbol per change, a table for every context"
+        );
+        let (ones, twos) = (_mm512_set1_epi32(1), _mm512_set1_epi32(2));
+        for ((contexts, magnitudes), symbols) in contexts.chunks_exact(LANES).zip(magnitudes.chunks_exact(LANES)).zip(symbols.chunks_exact_mut(LANES)) {
+            let context = _mm512_cvtepu16_epi32(_mm256_loadu_si256(contexts.as_ptr().cast()));
+            let low = _mm512_cvtepi64_epi32(_mm512_loadu_si512(magnitudes.as_ptr().cast()));
+            let high = _mm512_cvtepi64_epi32(_mm512_loadu_si512(magnitudes.as_ptr().add(8).cast()));
+            let v = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(low), high);
+            let first = _mm512_i32gather_epi32::<4>(context, first_symbol.as_ptr().cast());
+            // `class_of`: below 2 the magnitude itself, else twice its bit
+            // length less one plus the bit below its leading one.
+            let length = _mm512_sub_epi32(_mm512_set1_epi32(32), _mm512_lzcnt_epi32(v));
+            let below_top = _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_sub_epi32(length, twos)), ones);
+            let class = _mm512_add_epi32(_mm512_add_epi32(length, length), _mm512_sub_epi32(below_top, twos));
+            let small = _mm512_cmplt_epu32_mask(v, twos);
+            let class = _mm512_mask_mov_epi32(class, small, v);
+            _mm512_storeu_si512(symbols.as_mut_ptr().cast(), _mm512_add_epi32(first, class));
+            // Classes from 4 up carry raw bits.
+            let mut with_raw = _mm512_cmpge_epu32_mask(v, _mm512_set1_epi32(4));
+            while with_raw != 0 {
+                let lane = with_raw.trailing_zeros() as usize;
+                let (_, bits) = class_of(magnitudes[lane]);
+                raw.put(magnitudes[lane], bits);
+                with_raw &= with_raw - 1;
+            }
+        }
     }
 
     /// The inclusive prefix sum of the sixteen lanes of `v`.
@@ -748,6 +811,36 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn classify_kernel_matches_the_scalar_classes() {
+        if !avx512::classify_available() {
+            return;
+        }
+        let mut next = xorshift(5);
+        let edges = [0u64, 1, 2, 3, 4, 5, 7, 8, (1 << 31) - 1, 1 << 31, u64::from(u32::MAX)];
+        let n = 16 * 40;
+        let magnitudes: Vec<u64> = (0..n).map(|i| if i % 3 == 0 { edges[i / 3 % edges.len()] } else { (next() & 0xFFFF_FFFF) >> (next() % 32) }).collect();
+        let contexts: Vec<u16> = (0..n).map(|_| (next() % 5) as u16).collect();
+        let first_symbol = [0u32, 64, 128, 192, 256];
+        let mut symbols = vec![0u32; n];
+        let mut raw = BitWriter::new();
+        // Safety: checked just above; the magnitudes are below 2^32.
+        #[allow(unsafe_code)]
+        unsafe {
+            avx512::classify(&contexts, &magnitudes, &first_symbol, &mut symbols, &mut raw)
+        };
+        let mut expected_raw = BitWriter::new();
+        for j in 0..n {
+            let (class, bits) = class_of(magnitudes[j]);
+            assert_eq!(symbols[j], first_symbol[usize::from(contexts[j])] + class as u32, "magnitude {}", magnitudes[j]);
+            if bits > 0 {
+                put_wide(&mut expected_raw, magnitudes[j], bits);
+            }
+        }
+        assert_eq!(raw.finish(), expected_raw.finish());
     }
 
     #[test]
