@@ -82,6 +82,17 @@ pub(super) unsafe fn gather_words<const W: i32>(base: *const u8, m: __mmask16, v
     }
 }
 
+/// Store the lanes `m` of `v` as u64s at `dst` (lane `k` at `dst + k`).
+///
+/// # Safety
+/// `dst + k` is valid for writes for each lane `k` in `m`; the CPU has
+/// AVX-512 F.
+#[inline(always)]
+pub(super) unsafe fn store_widened(dst: *mut u64, m: __mmask16, v: __m512i) {
+    _mm512_mask_storeu_epi64(dst.cast(), m as __mmask8, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(v)));
+    _mm512_mask_storeu_epi64(dst.add(8).cast(), (m >> 8) as __mmask8, _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64::<1>(v)));
+}
+
 /// Apply a chunk's sparse changes to `target` (the chunk's bytes), `first`
 /// being the chunk's first element in its tensor: the change at
 /// `positions[k]` has the value word (an XOR mask, or the new bits when
@@ -164,13 +175,7 @@ pub(super) unsafe fn gather_block<const W: i32, const TRACK: bool>(
         let vo = gather_words::<W>(old.as_ptr(), m, vp);
         let vn = gather_words::<W>(new.as_ptr(), m, vp);
         let v = if overwrite { vn } else { _mm512_xor_si512(vo, vn) };
-        let dst = out.as_mut_ptr().add(i);
-        _mm512_mask_storeu_epi64(dst.cast(), m as __mmask8, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(v)));
-        _mm512_mask_storeu_epi64(
-            dst.add(8).cast(),
-            (m >> 8) as __mmask8,
-            _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64::<1>(v)),
-        );
+        store_widened(out.as_mut_ptr().add(i), m, v);
         if TRACK {
             add_moves(&mut acc, _mm512_add_epi32(vfirst, vp), vo, vn);
         }
@@ -240,13 +245,7 @@ pub(super) unsafe fn survey_steps<const W: i32>(
         let magnitude = _mm512_sub_epi32(_mm512_abs_epi32(step), ones);
         let context = _mm512_and_si512(_mm512_srl_epi32(vo, shift), context_mask);
         _mm512_mask_cvtepi32_storeu_epi16(contexts.as_mut_ptr().add(i).cast(), m, context);
-        let dst = magnitudes.as_mut_ptr().add(i);
-        _mm512_mask_storeu_epi64(dst.cast(), m as __mmask8, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(magnitude)));
-        _mm512_mask_storeu_epi64(
-            dst.add(8).cast(),
-            (m >> 8) as __mmask8,
-            _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64::<1>(magnitude)),
-        );
+        store_widened(magnitudes.as_mut_ptr().add(i), m, magnitude);
         signs[i / 16] = negative;
         i += 16;
     }

@@ -587,7 +587,7 @@ pub(super) mod avx512 {
 
     use super::{class_of, Decoder, LANES, SCALE, SCALE_BITS, STATE_LOW};
     use crate::codec::bits::BitWriter;
-    use crate::codec::gather_x86::{self, gather_words, StepModel32};
+    use crate::codec::gather_x86::{self, gather_words, store_widened, StepModel32};
 
     /// Whether this CPU runs `decode_groups`.
     pub(in crate::codec) fn available() -> bool {
@@ -748,8 +748,7 @@ pub(super) mod avx512 {
             let new = _mm512_srl_epi32(ordinal(_mm512_add_epi32(ordinal(_mm512_sll_epi32(vo, up)), _mm512_sll_epi32(step, up))), up);
             unchanged |= _mm512_cmpeq_epi32_mask(new, vo);
             let value = if xor { _mm512_xor_si512(vo, new) } else { new };
-            _mm512_storeu_si512(out.as_mut_ptr().cast(), _mm512_cvtepu32_epi64(_mm512_castsi512_si256(value)));
-            _mm512_storeu_si512(out.as_mut_ptr().add(8).cast(), _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64::<1>(value)));
+            store_widened(out.as_mut_ptr(), 0xFFFF, value);
         }
         _mm512_storeu_si512(steps.states.as_mut_ptr().cast(), x);
         steps.pos = pos;
