@@ -77,6 +77,13 @@ impl ContextModel {
         self.mask as usize + 1
     }
 
+    /// What the AVX-512 kernels need of the model (words of at most 4
+    /// bytes).
+    #[cfg(target_arch = "x86_64")]
+    fn step_model32(&self) -> super::gather_x86::StepModel32 {
+        super::gather_x86::StepModel32 { shift: self.shift, mask: self.mask as u32, float: self.float }
+    }
+
     #[inline(always)]
     pub(super) fn context(&self, word: u64) -> usize {
         ((word >> self.shift) & self.mask) as usize
@@ -427,25 +434,22 @@ struct Survey {
 /// The `Survey` of the changes at `positions` (ascending, relative to the
 /// chunk) from `old` to `new`.
 fn survey<T: Word>(old: &[u8], new: &[u8], positions: &[u32], model: &ContextModel) -> Survey {
-    let m = positions.len();
-    let mut out = Survey { contexts: vec![0; m], magnitudes: vec![0; m], signs: vec![0; m.div_ceil(16)] };
+    let mut out = Survey::zeroed(positions.len());
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if T::BYTES <= 4 {
-        use super::gather_x86::{fits, survey_steps, StepModel32};
-        // The kernel takes the changes whose 4-byte loads stay inside the
-        // chunk: all but the last few words'.
-        let head = positions.partition_point(|&p| p as usize * T::BYTES + 4 <= old.len());
-        if fits(&positions[..head], T::BYTES, old.len(), 0) {
-            let step_model = StepModel32 { shift: model.shift, mask: model.mask as u32, float: model.float };
+    {
+        use super::gather_x86::{kernel_prefix, survey_steps};
+        let head = kernel_prefix(positions, T::BYTES, old.len(), 0);
+        if head > 0 {
             let (contexts, magnitudes, signs) = (&mut out.contexts[..head], &mut out.magnitudes[..head], &mut out.signs[..head.div_ceil(16)]);
-            // Safety: `fits` just above, and T::BYTES is 1, 2 or 4.
+            // Safety: `kernel_prefix` took only positions that `fits`,
+            // which also means T::BYTES is 1, 2 or 4.
             #[allow(unsafe_code)]
             unsafe {
                 match T::BYTES {
-                    1 => survey_steps::<1>(old, new, &positions[..head], step_model, contexts, magnitudes, signs),
-                    2 => survey_steps::<2>(old, new, &positions[..head], step_model, contexts, magnitudes, signs),
-                    _ => survey_steps::<4>(old, new, &positions[..head], step_model, contexts, magnitudes, signs),
+                    1 => survey_steps::<1>(old, new, &positions[..head], model.step_model32(), contexts, magnitudes, signs),
+                    2 => survey_steps::<2>(old, new, &positions[..head], model.step_model32(), contexts, magnitudes, signs),
+                    _ => survey_steps::<4>(old, new, &positions[..head], model.step_model32(), contexts, magnitudes, signs),
                 }
             }
             done = head;
@@ -453,6 +457,13 @@ fn survey<T: Word>(old: &[u8], new: &[u8], positions: &[u32], model: &ContextMod
     }
     survey_from::<T>(old, new, positions, model, done, &mut out);
     out
+}
+
+impl Survey {
+    /// Room for `m` changes, all zero.
+    fn zeroed(m: usize) -> Self {
+        Survey { contexts: vec![0; m], magnitudes: vec![0; m], signs: vec![0; m.div_ceil(16)] }
+    }
 }
 
 /// `survey`, one change at a time, from change `from` on.
@@ -639,14 +650,7 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
     // Each change's context and ulp magnitude (coded after the flags), and
     // the changes per context, which choose the buckets.
     let Survey { contexts, magnitudes, signs } = survey::<T>(old, new, positions, model);
-    // Four sets of counts, change `j` in set `j % 4`: most changes fall in
-    // a few contexts, and one counter would make each increment wait on
-    // the one before.
-    let mut per_context4 = vec![0u64; 4 * nctx];
-    for (j, &c) in contexts.iter().enumerate() {
-        per_context4[(j % 4) * nctx + usize::from(c)] += 1;
-    }
-    let per_context: Vec<u64> = (0..nctx).map(|c| (0..4).map(|set| per_context4[set * nctx + c]).sum()).collect();
+    let per_context = super::counts(contexts.iter().map(|&c| usize::from(c)), nctx);
     let buckets = choose_buckets::<T>(old, model, &per_context);
     let mut per_bucket = vec![0u32; buckets.len()];
     for (c, &k) in per_context.iter().enumerate() {
@@ -990,15 +994,15 @@ fn decode_words<T: Word>(
         // all but the last few.
         let mut done = 0;
         #[cfg(target_arch = "x86_64")]
-        if expansion == Expansion::Blocks && w <= 4 && step_tables::avx512::available() {
-            use super::gather_x86::{fits, StepModel32};
-            let head = positions.partition_point(|&p| p as usize * w + 4 <= old.len()) / step_tables::LANES * step_tables::LANES;
-            if fits(&positions[..head], w, old.len(), 0) {
-                let step_model = StepModel32 { shift: model.shift, mask: model.mask as u32, float: model.float };
-                let xor = kind == ChangeKind::Xor;
+        if expansion == Expansion::Blocks && step_tables::avx512::available() {
+            // Whole groups of sixteen, of the positions the kernels take.
+            let head = super::gather_x86::kernel_prefix(&positions, w, old.len(), 0) / step_tables::LANES * step_tables::LANES;
+            if head > 0 {
+                let (step_model, xor) = (model.step_model32(), kind == ChangeKind::Xor);
                 let (group_positions, group_values) = (&positions[..head], &mut values[..head]);
-                // Safety: `fits` just above, `w` is 1, 2 or 4, and the CPU
-                // has what `decode_groups` needs (`available`).
+                // Safety: `kernel_prefix` took only positions that `fits`
+                // (so `w` is 1, 2 or 4), and the CPU has what
+                // `decode_groups` needs (`available`).
                 #[allow(unsafe_code)]
                 unsafe {
                     use step_tables::avx512::decode_groups;
@@ -1100,7 +1104,7 @@ mod tests {
                 let bytes = |words: &[u64]| -> Vec<u8> { words.iter().flat_map(|w| w.to_le_bytes()[..width].to_vec()).collect() };
                 let (old, new) = (bytes(&old), bytes(&new));
                 let m = positions.len();
-                let mut slow = Survey { contexts: vec![0; m], magnitudes: vec![0; m], signs: vec![0; m.div_ceil(16)] };
+                let mut slow = Survey::zeroed(m);
                 let fast = match width {
                     1 => {
                         survey_from::<u8>(&old, &new, &positions, &model, 0, &mut slow);

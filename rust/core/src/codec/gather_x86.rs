@@ -44,6 +44,19 @@ pub(super) fn fits(positions: &[u32], width: usize, len: usize, first_element: u
     (last as usize) * width + 4 <= len && last < 1 << 31 && first_element + u64::from(last) < 1 << 32
 }
 
+/// How many of the leading `positions` (ascending) the kernels can take
+/// in a slice of `len` bytes of `width`-byte words: those whose 4-byte
+/// loads stay inside it (all but the last few words'), when they `fits`;
+/// else none.
+pub(super) fn kernel_prefix(positions: &[u32], width: usize, len: usize, first_element: u64) -> usize {
+    let cut = positions.partition_point(|&p| p as usize * width + 4 <= len);
+    if fits(&positions[..cut], width, len, first_element) {
+        cut
+    } else {
+        0
+    }
+}
+
 /// The largest of `positions` (0 when empty).
 #[target_feature(enable = "avx512f")]
 unsafe fn largest(positions: &[u32]) -> u32 {
@@ -170,10 +183,7 @@ pub(super) unsafe fn gather_block<const W: i32, const TRACK: bool>(
     let mut acc = zero_moves();
     let mut i = 0;
     while i < n {
-        let m = lanes(n - i);
-        let vp = _mm512_maskz_loadu_epi32(m, positions.as_ptr().add(i).cast());
-        let vo = gather_words::<W>(old.as_ptr(), m, vp);
-        let vn = gather_words::<W>(new.as_ptr(), m, vp);
+        let (m, vp, vo, vn) = gather_pair::<W>(old, new, positions, i);
         let v = if overwrite { vn } else { _mm512_xor_si512(vo, vn) };
         store_widened(out.as_mut_ptr().add(i), m, v);
         if TRACK {
@@ -193,6 +203,57 @@ pub(super) struct StepModel32 {
     pub shift: u32,
     pub mask: u32,
     pub float: bool,
+}
+
+/// `W`-byte words in the high bits of 32-bit lanes (the sign bit at bit
+/// 31), where lane arithmetic wraps as `W`-byte arithmetic does, and the
+/// ordinal map there (order-preserving, an involution).
+#[derive(Clone, Copy)]
+pub(super) struct HighWords {
+    /// The shift that takes a word up: `32 - 8 W`.
+    up: __m128i,
+    /// The bits an ordinal flips in a negative word (its bits below the
+    /// sign bit, for floats; none for integers).
+    flip: __m512i,
+}
+
+impl HighWords {
+    #[inline(always)]
+    pub(super) unsafe fn new<const W: i32>(float: bool) -> Self {
+        let below_sign = (i32::MAX >> (32 - 8 * W)) << (32 - 8 * W);
+        HighWords { up: _mm_cvtsi32_si128(32 - 8 * W), flip: _mm512_set1_epi32(if float { below_sign } else { 0 }) }
+    }
+
+    /// Words (in the low bits) shifted up.
+    #[inline(always)]
+    pub(super) unsafe fn up(&self, words: __m512i) -> __m512i {
+        _mm512_sll_epi32(words, self.up)
+    }
+
+    /// High words shifted back down, signed (`arithmetic`) or not.
+    #[inline(always)]
+    pub(super) unsafe fn down(&self, high: __m512i, arithmetic: bool) -> __m512i {
+        if arithmetic {
+            _mm512_sra_epi32(high, self.up)
+        } else {
+            _mm512_srl_epi32(high, self.up)
+        }
+    }
+
+    /// The ordinal of each high word (or the high word of each ordinal).
+    #[inline(always)]
+    pub(super) unsafe fn ordinal(&self, high: __m512i) -> __m512i {
+        _mm512_xor_si512(high, _mm512_and_si512(_mm512_srai_epi32::<31>(high), self.flip))
+    }
+}
+
+/// The lanes, positions and old and new words of the next (up to) sixteen
+/// changes from `positions[i]`.
+#[inline(always)]
+unsafe fn gather_pair<const W: i32>(old: &[u8], new: &[u8], positions: &[u32], i: usize) -> (__mmask16, __m512i, __m512i, __m512i) {
+    let m = lanes(positions.len() - i);
+    let vp = _mm512_maskz_loadu_epi32(m, positions.as_ptr().add(i).cast());
+    (m, vp, gather_words::<W>(old.as_ptr(), m, vp), gather_words::<W>(new.as_ptr(), m, vp))
 }
 
 /// The context encoder's survey of its changes: for the change at
@@ -219,28 +280,15 @@ pub(super) unsafe fn survey_steps<const W: i32>(
         old.len() == new.len() && contexts.len() == n && magnitudes.len() == n && signs.len() == n.div_ceil(16),
         "old and new of one length, one output per position"
     );
-    // Words in the high bits of each lane: the sign bit at bit 31.
-    let up = _mm_cvtsi32_si128(32 - 8 * W);
+    let high = HighWords::new::<W>(model.float);
     let shift = _mm_cvtsi32_si128(model.shift as i32);
     let context_mask = _mm512_set1_epi32(model.mask as i32);
-    // The word's bits below its sign bit, in a word shifted up.
-    let below_sign = (i32::MAX >> (32 - 8 * W)) << (32 - 8 * W);
-    let magnitude_bits = _mm512_set1_epi32(if model.float { below_sign } else { 0 });
     let ones = _mm512_set1_epi32(1);
-    // The ordinal of each word, shifted up (order-preserving, an
-    // involution).
-    let ordinal = |word: __m512i| {
-        let high = _mm512_sll_epi32(word, up);
-        _mm512_xor_si512(high, _mm512_and_si512(_mm512_srai_epi32::<31>(high), magnitude_bits))
-    };
     let mut i = 0;
     while i < n {
-        let m = lanes(n - i);
-        let vp = _mm512_maskz_loadu_epi32(m, positions.as_ptr().add(i).cast());
-        let vo = gather_words::<W>(old.as_ptr(), m, vp);
-        let vn = gather_words::<W>(new.as_ptr(), m, vp);
-        // The step in the high bits wraps as W-byte arithmetic does.
-        let step = _mm512_sra_epi32(_mm512_sub_epi32(ordinal(vn), ordinal(vo)), up);
+        let (m, _, vo, vn) = gather_pair::<W>(old, new, positions, i);
+        // The step between the ordinals, made in the high bits.
+        let step = high.down(_mm512_sub_epi32(high.ordinal(high.up(vn)), high.ordinal(high.up(vo))), true);
         let negative = _mm512_mask_cmplt_epi32_mask(m, step, _mm512_setzero_si512());
         let magnitude = _mm512_sub_epi32(_mm512_abs_epi32(step), ones);
         let context = _mm512_and_si512(_mm512_srl_epi32(vo, shift), context_mask);

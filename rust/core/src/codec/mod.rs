@@ -170,6 +170,17 @@ fn write_word(dst: &mut [u8], v: u64) {
     }
 }
 
+/// How many of `items` are each of `0..n`, counted in four interleaved
+/// sets (item `j` in set `j % 4`): a few values take most items, and with
+/// one counter each increment would wait on the one before.
+fn counts(items: impl Iterator<Item = usize>, n: usize) -> Vec<u64> {
+    let mut sets = vec![0u64; 4 * n];
+    for (j, item) in items.enumerate() {
+        sets[(j % 4) * n + item] += 1;
+    }
+    (0..n).map(|i| (0..4).map(|set| sets[set * n + i]).sum()).collect()
+}
+
 #[inline(always)]
 fn read_word(bytes: &[u8]) -> u64 {
     // Fixed-size loads: a variable-length copy would be a memcpy call.
@@ -699,12 +710,12 @@ fn apply_sparse<T: Word>(
     // it) are written word by word.
     #[cfg(target_arch = "x86_64")]
     {
-        let cut = positions.partition_point(|&p| p as usize * w + 4 <= target.len());
-        let (head, planes) = (&positions[..cut], lanes.map(|l| &l[..cut.min(l.len())]));
-        if gather_x86::fits(head, w, target.len(), first_element) {
-            // Safety: `fits` (just above) checked that the CPU has the
-            // kernel's features, that `w` is 1, 2 or 4 and that every load
-            // and lane fits.
+        let cut = gather_x86::kernel_prefix(positions, w, target.len(), first_element);
+        if cut > 0 {
+            let (head, planes) = (&positions[..cut], lanes.map(|l| &l[..cut.min(l.len())]));
+            // Safety: `kernel_prefix` took only positions that `fits`: the
+            // CPU has the kernel's features, `w` is 1, 2 or 4, and every
+            // load and lane fits.
             #[allow(unsafe_code)]
             let moved = unsafe {
                 match w {

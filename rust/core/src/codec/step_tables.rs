@@ -236,9 +236,6 @@ pub(super) fn encode(contexts: &[u16], magnitudes: &[u64], per_context: &[u64], 
     }
     // Classes, their counts per table, and the raw bits in change order.
     let ntables = shared + 1;
-    // Four sets of counts, change `j` in set `j % 4`: most changes fall in
-    // a few symbols, and one counter would make each increment wait on
-    // the one before.
     let nsymbols = ntables * nclass;
     let mut symbols = vec![0u32; contexts.len()];
     let mut raw = BitWriter::new();
@@ -261,11 +258,7 @@ pub(super) fn encode(contexts: &[u16], magnitudes: &[u64], per_context: &[u64], 
             put_wide(&mut raw, v, bits);
         }
     }
-    let mut counts4 = vec![0u64; 4 * nsymbols];
-    for (j, &symbol) in symbols.iter().enumerate() {
-        counts4[(j % 4) * nsymbols + symbol as usize] += 1;
-    }
-    let counts: Vec<u64> = (0..nsymbols).map(|i| (0..4).map(|set| counts4[set * nsymbols + i]).sum()).collect();
+    let counts = super::counts(symbols.iter().map(|&symbol| symbol as usize), nsymbols);
     let mut tables = BitWriter::new();
     put_gamma(&mut tables, own.len() as u64 + 1);
     let mut next = 0usize;
@@ -587,7 +580,7 @@ pub(super) mod avx512 {
 
     use super::{class_of, Decoder, LANES, SCALE, SCALE_BITS, STATE_LOW};
     use crate::codec::bits::BitWriter;
-    use crate::codec::gather_x86::{self, gather_words, store_widened, StepModel32};
+    use crate::codec::gather_x86::{self, gather_words, store_widened, HighWords, StepModel32};
 
     /// Whether this CPU runs `decode_groups`.
     pub(in crate::codec) fn available() -> bool {
@@ -694,15 +687,12 @@ pub(super) mod avx512 {
         let raw = &steps.raw.bytes[..];
         // Bit offsets in 32-bit lanes: the base is clamped to the end of
         // the raw bits (reads there are clamped anyway; a stream read that
-        // far is refused by `finish`, which counts `bit` in full).
-        let raw_end = u32::try_from(8 * raw.len()).unwrap_or(u32::MAX / 2).min(u32::MAX / 2);
-        let up = _mm_cvtsi32_si128(32 - 8 * W);
+        // far is refused by `finish`, which counts `bit` in full), and to
+        // 2^30, which leaves room for the lanes' offsets.
+        let raw_end = (8 * raw.len()).min(1 << 30);
+        let high = HighWords::new::<W>(model.float);
         let shift = _mm_cvtsi32_si128(model.shift as i32);
         let context_mask = _mm512_set1_epi32(model.mask as i32);
-        let below_sign = (i32::MAX >> (32 - 8 * W)) << (32 - 8 * W);
-        let magnitude_bits = _mm512_set1_epi32(if model.float { below_sign } else { 0 });
-        // The order-preserving map of words in the high bits (an involution).
-        let ordinal = |high: __m512i| _mm512_xor_si512(high, _mm512_and_si512(_mm512_srai_epi32::<31>(high), magnitude_bits));
         let (zero, ones, twos) = (_mm512_setzero_si512(), _mm512_set1_epi32(1), _mm512_set1_epi32(2));
         let low12 = _mm512_set1_epi32((SCALE - 1) as i32);
         let state_low = _mm512_set1_epi32(STATE_LOW as i32);
@@ -730,7 +720,7 @@ pub(super) mod avx512 {
             let raw_lengths = _mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32::<1>(class), ones), zero);
             let mut below = zero;
             if _mm512_test_epi32_mask(raw_lengths, raw_lengths) != 0 {
-                let base = (bit as u64).min(u64::from(raw_end)) as i32;
+                let base = bit.min(raw_end) as i32;
                 let at = _mm512_add_epi32(_mm512_set1_epi32(base), _mm512_sub_epi32(prefix_sum(raw_lengths), raw_lengths));
                 let half = |v: __m512i, k: usize| if k == 0 { _mm512_castsi512_si256(v) } else { _mm512_extracti64x4_epi64::<1>(v) };
                 let low_half = raw_bits8(raw, half(at, 0), half(raw_lengths, 0));
@@ -745,7 +735,7 @@ pub(super) mod avx512 {
             let negative = u16::from_le_bytes([signs[2 * g], signs[2 * g + 1]]);
             let size = _mm512_add_epi32(magnitude, ones);
             let step = _mm512_mask_sub_epi32(size, negative, zero, size);
-            let new = _mm512_srl_epi32(ordinal(_mm512_add_epi32(ordinal(_mm512_sll_epi32(vo, up)), _mm512_sll_epi32(step, up))), up);
+            let new = high.down(high.ordinal(_mm512_add_epi32(high.ordinal(high.up(vo)), high.up(step))), false);
             unchanged |= _mm512_cmpeq_epi32_mask(new, vo);
             let value = if xor { _mm512_xor_si512(vo, new) } else { new };
             store_widened(out.as_mut_ptr(), 0xFFFF, value);

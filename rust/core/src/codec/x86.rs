@@ -7,22 +7,23 @@
 //! (the encoder's kernels and the AVX-512 expansion take every such bucket
 //! in every block, present or not: a loop whose exit is always predicted,
 //! 5-20 % faster than walking the range of buckets present), one compare
-//! gives the mask `m` of its elements, `k = popcount(m)` of them. The encoder adds `k` to the
-//! bucket's count; then, in element order, a change's rank is its bucket's
-//! count before the block plus the elements of `m` below it, and its gap
-//! goes to its bucket's list (one loop over the block's changes rather
-//! than one per bucket present, whose trip counts mispredict: 2.3 times
-//! faster on the training pairs). The decoder takes the next `k` bits of
-//! the bucket's rank bitmap, its changed flags, and `pdep` deposits them
-//! onto `m`; the union over buckets marks the block's changed elements. No
-//! per-element branches and no per-element state in memory: the decoder's
-//! cost is set by the buckets per block, hardly by the number of changes.
+//! gives the mask `m` of its elements, `k = popcount(m)` of them. The
+//! encoder adds `k` to the bucket's count; then, in element order, a
+//! change's rank is its bucket's count before the block plus the elements
+//! of `m` below it, and its gap goes to its bucket's list (one loop over
+//! the block's changes rather than one per bucket present, whose trip
+//! counts mispredict: 2.3 times faster on the training pairs). The decoder
+//! takes the next `k` bits of the bucket's rank bitmap, its changed flags,
+//! and `pdep` deposits them onto `m`; the union over buckets marks the
+//! block's changed elements. No per-element branches and no per-element
+//! state in memory: the decoder's cost is set by the buckets per block,
+//! hardly by the number of changes.
 //!
 //! Where the CPU also has AVX-512 (F and BW) both sides walk blocks of 256
 //! elements instead: one compare per 64 elements lands straight in a mask
-//! register, and the per-block work (loop exits, which mispredict) is
-//! paid a quarter as often. That made the
-//! whole context decode 10-15 % faster on the real pairs (Zen 4).
+//! register, and the per-block work (loop exits, which mispredict) is paid
+//! a quarter as often. That made the whole context decode 10-15 % faster
+//! on the real pairs (Zen 4).
 //!
 //! Where the CPU also has AVX-512 VBMI, the bucket ids of 64 elements come
 //! from a 256-byte table (`Walk::of_byte`) through two byte permutes and a
@@ -637,9 +638,9 @@ unsafe fn min_max(v0: __m256i, v1: __m256i) -> (u8, u8) {
 
 /// Each bucket's gaps (`BucketGaps`) for the changed `positions`
 /// (ascending) of the chunk `old`, of which `per_bucket[b]` lie in bucket
-/// `b`. The encoder's side of `expand`: per block and bucket present, one
-/// compare gives the bucket's elements `m`; each change among them has the
-/// rank of the bucket's count plus the elements of `m` below it.
+/// `b`. The encoder's side of `expand`: per block and bucket with changes,
+/// one compare gives the bucket's elements `m`; each change among them has
+/// the rank of the bucket's count plus the elements of `m` below it.
 pub(super) fn bucket_gaps<T: Word>(old: &[u8], model: &ContextModel, buckets: &Buckets, positions: &[u32], per_bucket: &[u32]) -> BucketGaps {
     bucket_gaps_with::<T>(widest(), old, model, buckets, positions, per_bucket)
 }
