@@ -37,7 +37,7 @@
 //! `pdep`. That work grows with the buckets a block touches, which is why
 //! positions use a few buckets rather than every exponent.
 
-use super::bits::{best_rice_parameter, put_rice, read_ascending, BitReader, BitWriter};
+use super::rice::{best_rice_parameter, stream_bound, RiceReader, RiceWriter};
 use super::range::{RangeDecoder, RangeEncoder, Rate, PROB_INIT};
 use super::step_tables;
 use super::streams::{get_varint, put_stream, put_varint, StreamReader};
@@ -670,7 +670,7 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
     let mut listed = 0u64;
     let mut entries = Vec::new();
     let mut prev_bucket = 0usize;
-    let mut rice = BitWriter::new();
+    let mut rice = RiceWriter::new();
     let mut rc = RangeEncoder::default();
     for b in 0..buckets.len() {
         let gaps = bucket_gaps.of(b);
@@ -685,9 +685,7 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
             encode_flags(&mut rc, gaps);
             (MODE_CODED_FLAGS, 0)
         } else {
-            for &g in gaps {
-                put_rice(&mut rice, u64::from(g), k);
-            }
+            rice.put_gaps(gaps, k, rice_bits);
             (MODE_RICE, k)
         };
         put_varint(&mut entries, (b - prev_bucket) as u64);
@@ -801,7 +799,7 @@ struct Parsed<'a> {
     coded: &'a [u8],
 }
 
-fn parse<'a>(payload: &'a [u8], m: usize, nctx: usize, context: &'a str) -> Result<Parsed<'a>> {
+fn parse<'a>(payload: &'a [u8], n: usize, m: usize, nctx: usize, context: &'a str) -> Result<Parsed<'a>> {
     let bad = |detail: &str| Error::corrupt(context, detail.to_string());
     let truncated = || bad("bucket table truncated");
     let mut pos = 0usize;
@@ -848,8 +846,7 @@ fn parse<'a>(payload: &'a [u8], m: usize, nctx: usize, context: &'a str) -> Resu
         return Err(bad("bucket table does not match the chunk's change count"));
     }
     let mut streams = StreamReader::new(&payload[pos..], context);
-    // A Rice code takes at most 64 bits.
-    let rice = streams.next("positions", 0, m * 8)?;
+    let rice = streams.next("positions", 0, stream_bound(m, n))?;
     let rest = streams.rest();
     let mut pos = 0;
     let tables = if tables { Some(step_tables::sections(rest, &mut pos, context)?) } else { None };
@@ -887,13 +884,14 @@ fn rank_bitmaps(parsed: &Parsed<'_>, n: usize, rc: &mut RangeDecoder<'_>, contex
     let mut maps = RankBitmaps { words: Vec::new(), base: vec![0; nb], limit: vec![0; nb] };
     let mut bits_left = n as u64;
     let mut ranks = Vec::new();
-    let mut reader = BitReader::new(&parsed.rice);
+    let low_bits = parsed.listed.iter().filter(|l| l.mode == MODE_RICE).map(|l| l.changes * u64::from(l.k)).sum();
+    let mut reader = RiceReader::new(&parsed.rice, low_bits).map_err(bad)?;
     for l in &parsed.listed {
         let base = maps.words.len();
         maps.base[l.bucket] = base;
         let limit = if l.mode == MODE_RICE {
             ranks.clear();
-            let next = read_ascending(&mut reader, l.k, l.changes, bits_left, &mut ranks).map_err(bad)?;
+            let next = reader.read_ascending(l.k, l.changes, bits_left, &mut ranks).map_err(bad)?;
             maps.words.resize(base + next.div_ceil(64) as usize, 0);
             let map = &mut maps.words[base..];
             for &rank in &ranks {
@@ -907,9 +905,7 @@ fn rank_bitmaps(parsed: &Parsed<'_>, n: usize, rc: &mut RangeDecoder<'_>, contex
         maps.limit[l.bucket] = limit;
         maps.words.resize(base + limit.div_ceil(64) as usize + 2, 0);
     }
-    if reader.unread_bits() >= 8 {
-        return Err(bad("position stream runs on past its last change"));
-    }
+    reader.finish().map_err(bad)?;
     Ok(maps)
 }
 
@@ -963,7 +959,7 @@ fn decode_words<T: Word>(
     let m = n_changed as usize;
     let bad = |detail: &str| Error::corrupt(context, detail.to_string());
     let nctx = model.contexts();
-    let parsed = parse(payload, m, nctx, context)?;
+    let parsed = parse(payload, n, m, nctx, context)?;
     let mut rc = RangeDecoder::new(parsed.coded).ok_or_else(|| bad("range-coded stream too short"))?;
     let maps = rank_bitmaps(&parsed, n, &mut rc, context)?;
     let buckets = &parsed.buckets;
@@ -1222,7 +1218,7 @@ mod tests {
                     continue;
                 }
                 let payload = encode(&old, &new, &found, &model, 1);
-                let parsed = parse(&payload, m, model.contexts(), "t").unwrap();
+                let parsed = parse(&payload, n, m, model.contexts(), "t").unwrap();
                 let mut rc = RangeDecoder::new(parsed.coded).unwrap();
                 let maps = rank_bitmaps(&parsed, n, &mut rc, "t").unwrap();
                 let listed: Vec<usize> = parsed.listed.iter().map(|l| l.bucket).collect();
@@ -1268,7 +1264,7 @@ mod tests {
         let found = super::super::find_changes(&old, &new, 2, ChangeKind::Xor).unwrap();
         let m = found.positions.len();
         let payload = encode(&old, &new, &found, &model, 1);
-        let parsed = parse(&payload, m, model.contexts(), "t").unwrap();
+        let parsed = parse(&payload, n, m, model.contexts(), "t").unwrap();
         // The two exponents change at very different rates: each gets its own bucket.
         let (tiny, large) = (parsed.buckets.of(100), parsed.buckets.of(120));
         assert_ne!(tiny, large, "bounds {:?}", parsed.buckets.bounds);

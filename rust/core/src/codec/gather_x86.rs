@@ -75,7 +75,7 @@ const PREFETCH_AHEAD: usize = 64;
 
 /// Lanes `0..n` of a step of sixteen.
 #[inline(always)]
-fn lanes(n: usize) -> __mmask16 {
+pub(super) fn lanes(n: usize) -> __mmask16 {
     if n >= 16 {
         0xFFFF
     } else {

@@ -18,8 +18,8 @@ pub mod range;
 mod scan;
 pub mod streams;
 mod bits;
+mod rice;
 mod step_tables;
-use bits::{best_rice_parameter, put_rice, read_ascending, BitReader, BitWriter};
 #[cfg(target_arch = "x86_64")]
 mod gather_x86;
 #[cfg(target_arch = "x86_64")]
@@ -28,7 +28,7 @@ mod x86;
 use crate::digest::{DigestMoves, DigestSum};
 pub use scan::{find_changes, find_changes_tracked};
 use crate::error::{Error, Result};
-use streams::{get_varint, put_mostly_zero, put_stored, put_stream, put_symbols, put_varint, StreamReader};
+use streams::{get_varint, put_mostly_zero, put_stored, put_stream, put_symbols, put_varint, varint_len, StreamReader};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
@@ -315,64 +315,103 @@ fn with_planes(mut positions: Vec<u8>, planes: &[u8]) -> Vec<u8> {
     positions
 }
 
-/// Chunks with at most this many changes also try `Encoding::Rice`: there
-/// zstd's Huffman table and block header for the gap bytes (100-150 bytes)
-/// are a large share of the positions. Above it they are paid off, and gap
-/// bytes decode faster (SIMD prefix sums against one Rice code at a time;
-/// this bounds the Rice decode to a few microseconds per chunk). Measured
-/// on the synthetic 1 % delta: 1024 left the free mode at 1.112x the
-/// i.i.d. bound, 4096 at 1.092x (the real pairs 0.3 % smaller too).
-const RICE_MAX_CHANGES: usize = 4096;
-
-/// A rice payload's position part (its planes follow): the Rice codes are
-/// stored, as zstd finds nothing in them.
-fn rice_positions(positions: &[u32]) -> Vec<u8> {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("bmi2") {
-        // Safety: the CPU supports BMI2 (checked just above).
-        #[allow(unsafe_code)]
-        return unsafe { rice_positions_bmi2(positions) };
-    }
-    rice_positions_any(positions)
-}
-
-/// `rice_positions_any` compiled for BMI2, whose shifts by a register
-/// (`shlx`, `shrx`) are one instruction where the baseline's take three.
-#[cfg(target_arch = "x86_64")]
-#[allow(unsafe_code)]
-#[target_feature(enable = "bmi2")]
-unsafe fn rice_positions_bmi2(positions: &[u32]) -> Vec<u8> {
-    rice_positions_any(positions)
-}
-
-#[inline(always)]
-fn rice_positions_any(positions: &[u32]) -> Vec<u8> {
+/// The gaps of ascending positions: `position - previous - 1`, the first
+/// previous being -1.
+fn position_gaps(positions: &[u32]) -> Vec<u32> {
     let mut gaps = Vec::with_capacity(positions.len());
-    let mut next = 0u32;
-    for &p in positions {
-        gaps.push(p - next);
-        next = p + 1;
-    }
-    let (k, cost) = best_rice_parameter(&gaps, u64::from(next), gaps.len() as u64);
-    let mut bits = BitWriter::with_capacity(cost.div_ceil(8) as usize);
-    for &g in &gaps {
-        put_rice(&mut bits, u64::from(g), k);
-    }
-    let mut out = vec![k as u8];
-    put_stored(&mut out, &bits.finish());
+    gaps.extend(positions.first());
+    // Independent differences of neighbours (the compiler vectorises them).
+    let (next, previous) = (positions.get(1..).unwrap_or_default(), positions);
+    gaps.extend(next.iter().zip(previous).map(|(&p, &q)| p - q - 1));
+    gaps
+}
+
+/// A rice payload's position part (its planes follow): the parameter `k`,
+/// then the Rice codes of the `gaps` (`bits` of them), stored (zstd finds
+/// nothing in them).
+fn rice_positions(gaps: &[u32], k: u32, bits: u64) -> Vec<u8> {
+    let mut codes = rice::RiceWriter::new();
+    codes.put_gaps(gaps, k, bits);
+    let codes = codes.finish();
+    debug_assert_eq!(codes.len(), rice_codes_len(gaps.len(), k, bits));
+    let mut out = Vec::with_capacity(codes.len() + 12);
+    out.push(k as u8);
+    put_stored(&mut out, &codes);
+    debug_assert_eq!(out.len(), 2 + varint_len(codes.len() as u64) + codes.len());
     out
+}
+
+/// The bytes of `m` Rice codes of `bits` bits with parameter `k`: the low
+/// parts, then the unary parts, each padded to whole bytes.
+fn rice_codes_len(m: usize, k: u32, bits: u64) -> usize {
+    let low_bits = m as u64 * u64::from(k);
+    (low_bits.div_ceil(8) + (bits - low_bits).div_ceil(8)) as usize
+}
+
+/// Whether the sparse encoding's gap bytes could take fewer than `bytes`,
+/// estimated from a sample of the gaps (every eighth of a long list): the
+/// size of their Huffman code and a low estimate of its table and headers.
+/// zstd codes them with a Huffman code whose lengths are capped, so no
+/// smaller, but for matches (gaps that repeat in runs, whose Huffman code
+/// is short too). A sample's code is a little shorter than the whole
+/// list's (it sees fewer rare gaps), which errs towards trying them.
+fn gap_bytes_could_beat(gaps: &[u32], bytes: usize) -> bool {
+    // Below this their headers and table alone outweigh what they could
+    // save (a microsecond per chunk not spent on the estimate).
+    if gaps.len() < 256 {
+        return false;
+    }
+    let stride = (gaps.len() / 512).clamp(1, 8);
+    // Two sets of counts, so that a run of one gap waits less on itself.
+    let mut sets = [[0u32; 256]; 2];
+    for (j, &g) in gaps.iter().step_by(stride).enumerate() {
+        sets[j % 2][g.min(255) as usize] += 1;
+    }
+    let mut weights: Vec<u64> = sets[0].iter().zip(&sets[1]).map(|(&a, &b)| u64::from(a + b)).filter(|&c| c > 0).collect();
+    weights.sort_unstable();
+    // Stream and block headers, and the code's table: measured on the
+    // training pairs' chunks, zstd's stream exceeds the Huffman code by
+    // 20 bytes and 0.6-1.2 bytes per symbol.
+    let overhead = 16 + weights.len() as u64 / 2;
+    huffman_bits(&weights) * stride as u64 / 8 + overhead < bytes as u64
+}
+
+/// The bits of the Huffman code of symbols with these counts (ascending):
+/// the sum of the merged weights, merging the two lightest of the leaves
+/// and the merged nodes (which come out in ascending order) each time.
+fn huffman_bits(leaves: &[u64]) -> u64 {
+    // The merged nodes, a queue: taken from `next`, added at the end.
+    let mut merged = Vec::with_capacity(leaves.len());
+    let (mut leaf, mut next, mut bits) = (0, 0, 0);
+    let mut lightest = |merged: &Vec<u64>| match (leaves.get(leaf), merged.get(next)) {
+        (Some(&l), Some(&m)) if m < l => {
+            next += 1;
+            Some(m)
+        }
+        (Some(&l), _) => {
+            leaf += 1;
+            Some(l)
+        }
+        (None, m) => {
+            next += 1;
+            m.copied()
+        }
+    };
+    while let (Some(a), Some(b)) = (lightest(&merged), lightest(&merged)) {
+        bits += a + b;
+        merged.push(a + b);
+    }
+    bits
 }
 
 /// The positions of `m` changes in a chunk of `n` elements from their Rice
 /// codes with parameter `k`.
-fn positions_from_rice(bits: &[u8], k: u32, m: usize, n: usize, context: &str) -> Result<Vec<u32>> {
+fn positions_from_rice(codes: &[u8], k: u32, m: usize, n: usize, context: &str) -> Result<Vec<u32>> {
     let bad = |detail: &str| Error::corrupt(context, detail.to_string());
-    let mut reader = BitReader::new(bits);
-    let mut positions = Vec::with_capacity(m);
-    read_ascending(&mut reader, k, m as u64, n as u64, &mut positions).map_err(bad)?;
-    if reader.unread_bits() >= 8 {
-        return Err(bad("position stream runs on past its last change"));
-    }
+    let mut reader = rice::RiceReader::new(codes, m as u64 * u64::from(k)).map_err(bad)?;
+    let mut positions = Vec::new();
+    reader.read_ascending(k, m as u64, n as u64, &mut positions).map_err(bad)?;
+    reader.finish().map_err(bad)?;
     Ok(positions)
 }
 
@@ -521,25 +560,34 @@ pub fn encode_changes(
     };
     if density <= 0.90 {
         // The value planes are compressed once, after the first listing's
-        // positions, and copied behind the others' (which are small: Rice
-        // positions are tried on small chunks only, bitmaps on dense ones).
+        // positions, and copied behind a bitmap's where that is tried too
+        // (from 25 % changed).
         let positions = &changes.positions;
         let (first, mut payload) = if density <= 0.30 {
-            (Encoding::Sparse, sparse_positions(positions, level))
+            // Rice codes, unless the gap bytes come out smaller (where the
+            // gaps are far from geometric); those are built only where
+            // their Huffman code's size says they could be.
+            let gaps = position_gaps(positions);
+            let span = positions.last().map_or(0, |&p| u64::from(p) + 1);
+            let (k, bits) = rice::best_rice_parameter(&gaps, span, m as u64);
+            let codes_len = rice_codes_len(m, k, bits);
+            // `k`, then a stored stream's header (a byte and a varint).
+            let rice_len = 2 + varint_len(codes_len as u64) + codes_len;
+            match gap_bytes_could_beat(&gaps, rice_len).then(|| sparse_positions(positions, level)) {
+                Some(sparse) if sparse.len() < rice_len => (Encoding::Sparse, sparse),
+                _ => (Encoding::Rice, rice_positions(&gaps, k, bits)),
+            }
         } else {
             (Encoding::Bitmap, bitmap_positions(positions, n, level))
         };
         let planes_at = payload.len();
         put_planes(&mut payload, &planes_of(&changes.values, width), level);
         let planes = &payload[planes_at..];
-        let rice = (first == Encoding::Sparse && m <= RICE_MAX_CHANGES).then(|| with_planes(rice_positions(positions), planes));
-        let bitmap = (first == Encoding::Sparse && density >= 0.25)
+        let bitmap = (first != Encoding::Bitmap && density >= 0.25)
             .then(|| with_planes(bitmap_positions(positions, n, level), planes));
         consider(first, payload, &mut best);
-        for (encoding, payload) in [(Encoding::Rice, rice), (Encoding::Bitmap, bitmap)] {
-            if let Some(payload) = payload {
-                consider(encoding, payload, &mut best);
-            }
+        if let Some(payload) = bitmap {
+            consider(Encoding::Bitmap, payload, &mut best);
         }
     }
     if density >= 0.25 {
@@ -609,11 +657,10 @@ fn decode(payload: &[u8], n: usize, width: usize, encoding: Encoding, n_changed:
                 return Err(Error::corrupt(context, format!("Rice parameter {k} (at most 31)")));
             }
             let mut r = StreamReader::new(&payload[1..], context);
-            // A Rice code takes at most 64 bits.
-            let bits = r.next("positions", 0, 8 * m)?;
+            let codes = r.next("positions", 0, rice::stream_bound(m, n))?;
             let planes = read_planes(&mut r, width, m)?;
             r.finish()?;
-            let positions = positions_from_rice(&bits, u32::from(k), m, n, context)?;
+            let positions = positions_from_rice(&codes, u32::from(k), m, n, context)?;
             Ok(Decoded::Sparse { positions, planes })
         }
         Encoding::Bitmap => {

@@ -313,6 +313,11 @@ pub fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     out.push(v as u8);
 }
 
+/// The bytes of `v` as a varint.
+pub fn varint_len(v: u64) -> usize {
+    (64 - (v | 1).leading_zeros() as usize).div_ceil(7)
+}
+
 /// Read a LEB128 varint of at most `max_bytes` bytes.
 pub fn get_varint(buf: &[u8], pos: &mut usize, max_bytes: usize) -> Option<u64> {
     let mut v = 0u64;

@@ -191,13 +191,13 @@ fn special_float_patterns_are_exact() {
 
 #[test]
 fn sparse_chunk_picks_sparse_and_large_gaps_escape() {
-    // More changes than Rice is tried for, with gaps of 255 and more.
+    // Regular gaps, which zstd's matches code in a few bytes where Rice
+    // codes take bits per change, then gaps of 255 and more.
     let n = 1 << 16;
     let old = vec![0u8; n * 2];
     let mut new = old.clone();
     let mut changed: Vec<usize> = (0..n / 2).step_by(6).collect();
     changed.extend([n / 2 + 300, n / 2 + 20_000, n - 1]);
-    assert!(changed.len() > super::RICE_MAX_CHANGES);
     for &p in &changed {
         new[p * 2] = 1;
     }
@@ -209,7 +209,7 @@ fn sparse_chunk_picks_sparse_and_large_gaps_escape() {
 }
 
 #[test]
-fn a_few_changes_pick_rice_and_far_gaps_escape() {
+fn a_few_changes_pick_rice_with_far_gaps() {
     let n = 1 << 16;
     let old = vec![0u8; n * 2];
     let mut new = old.clone();
@@ -220,7 +220,10 @@ fn a_few_changes_pick_rice_and_far_gaps_escape() {
         let c = encode_chunk(&old, &new, 2, EncodeOptions { kind, zstd_level: 1 }).unwrap().unwrap();
         assert_eq!(c.encoding, Encoding::Rice);
         let found = find_changes(&old, &new, 2, kind).unwrap();
-        assert!(super::rice_positions(&found.positions).len() < super::sparse_positions(&found.positions, 1).len());
+        let span = u64::from(*found.positions.last().unwrap()) + 1;
+        let gaps = super::position_gaps(&found.positions);
+        let (k, bits) = super::rice::best_rice_parameter(&gaps, span, gaps.len() as u64);
+        assert!(super::rice_positions(&gaps, k, bits).len() < super::sparse_positions(&found.positions, 1).len());
         let mut t = old.clone();
         apply_chunk(&mut t, 2, kind, c.encoding, c.n_changed, &c.payload, "t").unwrap();
         assert_eq!(t, new);
@@ -514,5 +517,44 @@ fn vector_and_portable_gap_decoding_agree() {
             assert_eq!(prefix_block_portable(&g, start, &mut a), nb);
             assert_eq!(a, b);
         }
+    }
+}
+
+#[test]
+fn huffman_bits_of_known_codes() {
+    assert_eq!(super::huffman_bits(&[]), 0);
+    assert_eq!(super::huffman_bits(&[7]), 0);
+    // Codes of 3, 3, 2 and 1 bits.
+    assert_eq!(super::huffman_bits(&[1, 1, 2, 4]), 14);
+    assert_eq!(super::huffman_bits(&[5, 5, 5, 5]), 40);
+}
+
+/// Uniformly scattered changes (geometric gaps) are Rice-coded; gaps that
+/// repeat a short pattern go to the gap bytes, which zstd codes in almost
+/// nothing, and which the estimate says to try.
+#[test]
+fn geometric_gaps_pick_rice_and_repeating_gaps_pick_gap_bytes() {
+    let n = 1 << 17;
+    let mut next = xorshift(0x0dd_ba11);
+    let scattered: Vec<u32> = (0..n as u32).filter(|_| next().is_multiple_of(33)).collect();
+    let repeating: Vec<u32> = (0..n as u32).filter(|i| matches!(i % 16, 3 | 13)).collect();
+    for (positions, expected) in [(scattered, Encoding::Rice), (repeating, Encoding::Sparse)] {
+        let gaps = super::position_gaps(&positions);
+        let span = u64::from(*positions.last().unwrap()) + 1;
+        let (k, bits) = super::rice::best_rice_parameter(&gaps, span, gaps.len() as u64);
+        let rice_len = super::rice_positions(&gaps, k, bits).len();
+        if expected == Encoding::Sparse {
+            assert!(super::gap_bytes_could_beat(&gaps, rice_len));
+        }
+        let old = vec![0u8; n];
+        let mut new = old.clone();
+        for &p in &positions {
+            new[p as usize] = 1;
+        }
+        let c = encode_chunk(&old, &new, 1, EncodeOptions::default()).unwrap().unwrap();
+        assert_eq!(c.encoding, expected);
+        let mut t = old.clone();
+        apply_chunk(&mut t, 1, ChangeKind::Xor, c.encoding, c.n_changed, &c.payload, "t").unwrap();
+        assert_eq!(t, new);
     }
 }

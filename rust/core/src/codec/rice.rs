@@ -1,0 +1,760 @@
+//! Rice codes of ascending values: the positions of a chunk's changes (the
+//! context-free `rice` encoding) and the changed ranks of a bucket (the
+//! context-aware payload).
+//!
+//! A value is coded as its gap from the previous one (`value - previous -
+//! 1`, the first previous being -1), and a gap `g` with parameter `k` as
+//! `q = g >> k` in unary and its `k` low bits. The two parts go to two
+//! sections, every list's low parts first, then every list's unary parts
+//! (`q` zeros and a one per gap), instead of one code after the other. The
+//! bits are as many, but a decoder needs no chain through a bit reader:
+//! the `i`-th value of a list is `((t_i - i) << k) + (l_0 + ... + l_i) + i`,
+//! `t_i` being the offset of the list's `i`-th one in its unary part and
+//! `l_j` the `j`-th low part, so it finds the ones of the unary bits a word
+//! at a time and adds up the low parts sixteen lanes at a time.
+//!
+//! There is no escape for long gaps: the unary parts of a list whose values
+//! stay below `limit` take at most `count + (limit >> k)` bits, which also
+//! bounds what a decoder scans.
+
+use super::bits::BitWriter;
+
+/// The bits of the gaps as Rice codes with parameters `k0`, `k0 + 1` and
+/// `k0 + 2` (all below 32), in one pass the compiler vectorises: with `h =
+/// g >> k0`, the unary parts add up to the sums of `h`, `h >> 1 = (h - (h
+/// & 1)) / 2` and `h >> 2 = (h - (h & 3)) / 4`.
+fn rice_costs(gaps: &[u32], k0: u32) -> [u64; 3] {
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available() {
+        // Safety: the CPU has AVX-512 F (just checked).
+        #[allow(unsafe_code)]
+        return unsafe { avx512::rice_costs(gaps, k0) };
+    }
+    rice_costs_any(gaps, k0)
+}
+
+#[inline(always)]
+fn rice_costs_any(gaps: &[u32], k0: u32) -> [u64; 3] {
+    let (mut high, mut odd, mut low2) = (0u64, 0u64, 0u64);
+    // Blocks short enough for 32-bit sums of `h & 3`.
+    for block in gaps.chunks(1 << 20) {
+        let (mut h_sum, mut odd_sum, mut low2_sum) = (0u64, 0u32, 0u32);
+        for &g in block {
+            let h = g >> k0;
+            h_sum += u64::from(h);
+            odd_sum += h & 1;
+            low2_sum += h & 3;
+        }
+        high += h_sum;
+        odd += u64::from(odd_sum);
+        low2 += u64::from(low2_sum);
+    }
+    let unary = [high, (high - odd) / 2, (high - low2) / 4];
+    let m = gaps.len() as u64;
+    [0u32, 1, 2].map(|i| unary[i as usize] + m * u64::from(1 + k0 + i))
+}
+
+/// The bits of the gaps' Rice codes with parameter `k < 32`.
+pub(super) fn code_bits(gaps: &[u32], k: u32) -> u64 {
+    rice_costs_any(gaps, k)[0]
+}
+
+/// The Rice parameter that codes `gaps` (of `m` values over `span`) in the
+/// fewest bits, and those bits: three candidates around the one the mean
+/// gap suggests.
+pub(super) fn best_rice_parameter(gaps: &[u32], span: u64, m: u64) -> (u32, u64) {
+    let mean = (span - m) as f64 / m as f64;
+    let guess = if mean > 1.0 { (mean * std::f64::consts::LN_2).log2().max(0.0) as u32 } else { 0 };
+    let k0 = guess.saturating_sub(1).min(29);
+    let costs = rice_costs(gaps, k0);
+    let best = (0..3).min_by_key(|&i| costs[i]).expect("three candidates");
+    (k0 + best as u32, costs[best])
+}
+
+/// The most bytes a Rice stream of `count` values below `limit` can take:
+/// low parts of at most 31 bits and unary parts of at most `count + limit`
+/// bits (for any parameter), each section padded to whole bytes.
+pub(super) fn stream_bound(count: usize, limit: usize) -> usize {
+    count.saturating_mul(4).saturating_add(count.saturating_add(limit) / 8).saturating_add(2)
+}
+
+/// Writes lists of gaps as Rice codes, every list's low parts in one
+/// section and every list's unary parts in the next.
+pub(super) struct RiceWriter {
+    lows: BitWriter,
+    /// The unary parts' bits, least significant first.
+    unary: Vec<u64>,
+    unary_bits: u64,
+}
+
+impl RiceWriter {
+    pub(super) fn new() -> Self {
+        RiceWriter { lows: BitWriter::new(), unary: Vec::new(), unary_bits: 0 }
+    }
+
+    /// Append one list's gaps with parameter `k < 32`, `bits` their codes'
+    /// bits (as `best_rice_parameter` counts them).
+    pub(super) fn put_gaps(&mut self, gaps: &[u32], k: u32, bits: u64) {
+        debug_assert!(k < 32 && bits == code_bits(gaps, k));
+        let end = self.unary_bits + bits - gaps.len() as u64 * u64::from(k);
+        // A word of slack: the kernel ORs two words per sixteen gaps.
+        self.unary.resize(end.div_ceil(64) as usize + 1, 0);
+        #[cfg(target_arch = "x86_64")]
+        if avx512::has_compress() {
+            // Safety: the CPU has the kernels' features (just checked);
+            // `unary` holds the list's bits, and a word more.
+            #[allow(unsafe_code)]
+            unsafe {
+                let packed = avx512::put_low_parts(&mut self.lows, gaps, k);
+                self.lows.put_each(&gaps[packed..], k);
+                avx512::put_unary(&mut self.unary, self.unary_bits, gaps, k);
+            }
+            self.unary_bits = end;
+            return;
+        }
+        self.lows.put_each(gaps, k);
+        put_unary(&mut self.unary, self.unary_bits, gaps, k);
+        self.unary_bits = end;
+    }
+
+    /// The low parts' section (padded with zero bits to a whole byte), then
+    /// the unary parts' (likewise).
+    pub(super) fn finish(self) -> Vec<u8> {
+        let mut out = self.lows.finish();
+        let end = out.len() + self.unary_bits.div_ceil(8) as usize;
+        out.reserve(8 * self.unary.len());
+        for word in &self.unary {
+            out.extend_from_slice(&word.to_le_bytes());
+        }
+        out.truncate(end);
+        out
+    }
+}
+
+/// The unary parts of `gaps` (parameter `k`) into `unary` from bit `at`
+/// on: a one `g >> k` bits after the previous code's end. The word being
+/// filled stays in a register until the ones move on.
+#[inline(always)]
+pub(super) fn put_unary(unary: &mut [u64], mut at: u64, gaps: &[u32], k: u32) {
+    let mut word_at = (at / 64) as usize;
+    let mut word = 0u64;
+    for &g in gaps {
+        at += u64::from(g >> k);
+        if (at / 64) as usize != word_at {
+            unary[word_at] |= word;
+            word_at = (at / 64) as usize;
+            word = 0;
+        }
+        word |= 1 << (at % 64);
+        at += 1;
+    }
+    if let Some(last) = unary.get_mut(word_at) {
+        *last |= word;
+    }
+}
+
+/// `put_unary` of a few gaps, returning the bit after their codes.
+#[cfg(target_arch = "x86_64")]
+fn put_unary_block(unary: &mut [u64], at: u64, gaps: &[u32], k: u32) -> u64 {
+    put_unary(unary, at, gaps, k);
+    at + gaps.iter().map(|&g| u64::from(g >> k) + 1).sum::<u64>()
+}
+
+/// Reads the lists of a stream that `RiceWriter` wrote, in the same order.
+pub(super) struct RiceReader {
+    /// The low parts' section, then 8 zero bytes: a 4- or 8-byte load at
+    /// any of its bits stays inside.
+    lows: Vec<u8>,
+    /// The next list's first low bit, and the section's bits.
+    low_at: u64,
+    low_bits: u64,
+    /// The unary parts' section as words, then a zero word.
+    unary: Vec<u64>,
+    /// The next list's first unary bit, and the section's bits (whole
+    /// bytes).
+    unary_at: u64,
+    unary_bits: u64,
+}
+
+impl RiceReader {
+    /// A reader of `stream`, whose lists' low parts take `low_bits` bits
+    /// in all (the sum of their counts times their parameters).
+    pub(super) fn new(stream: &[u8], low_bits: u64) -> Result<Self, &'static str> {
+        let low_bytes = low_bits.div_ceil(8);
+        if low_bytes > stream.len() as u64 {
+            return Err("position stream ends early");
+        }
+        let (low_part, unary_part) = stream.split_at(low_bytes as usize);
+        let mut lows = Vec::with_capacity(low_part.len() + 8);
+        lows.extend_from_slice(low_part);
+        lows.resize(low_part.len() + 8, 0);
+        let mut unary = vec![0u64; unary_part.len().div_ceil(8) + 1];
+        for (word, bytes) in unary.iter_mut().zip(unary_part.chunks(8)) {
+            let mut le = [0u8; 8];
+            le[..bytes.len()].copy_from_slice(bytes);
+            *word = u64::from_le_bytes(le);
+        }
+        Ok(RiceReader { lows, low_at: 0, low_bits, unary, unary_at: 0, unary_bits: 8 * unary_part.len() as u64 })
+    }
+
+    /// Read the next list: `count` values, each below `limit` (less than
+    /// 2^32), coded with parameter `k < 32`, appended to `out` in
+    /// ascending order. Returns the value after the last (0 for an empty
+    /// list); `Err` says what is wrong when the stream ends early or a
+    /// value would reach `limit`.
+    pub(super) fn read_ascending(&mut self, k: u32, count: u64, limit: u64, out: &mut Vec<u32>) -> Result<u64, &'static str> {
+        debug_assert!(k < 32 && limit <= u64::from(u32::MAX));
+        if count == 0 {
+            return Ok(0);
+        }
+        // Distinct values below `limit`: this also bounds the allocation.
+        if count > limit {
+            return Err("positions beyond the chunk's elements");
+        }
+        if self.low_at + count * u64::from(k) > self.low_bits {
+            return Err("position stream ends early");
+        }
+        let start = out.len();
+        out.resize(start + count as usize, 0);
+        let slots = &mut out[start..];
+        let zeros = self.select(slots, limit >> k)?;
+        let low_at = self.low_at;
+        self.low_at += count * u64::from(k);
+        // Every value is at most the last, which is at most this: when it
+        // fits, 32-bit lanes cannot wrap.
+        let largest = (u128::from(zeros) << k) + u128::from(count) * ((1u128 << k) - 1) + u128::from(count);
+        if largest <= 1 << 32 {
+            add_low_parts(&self.lows, low_at, k, slots);
+        } else {
+            add_low_parts_wide(&self.lows, low_at, k, limit, slots)?;
+        }
+        let last = u64::from(slots[slots.len() - 1]);
+        if last >= limit {
+            return Err("positions beyond the chunk's elements");
+        }
+        Ok(last + 1)
+    }
+
+    /// Find the next `slots.len()` ones of the unary parts and write, for
+    /// each, the zeros before it since the list's start; the list's unary
+    /// bits end after the last. Returns the list's zeros. At most
+    /// `max_zeros` zeros are read: more cannot belong to values below the
+    /// caller's limit.
+    fn select(&mut self, slots: &mut [u32], max_zeros: u64) -> Result<u64, &'static str> {
+        let count = slots.len() as u64;
+        let from = self.unary_at;
+        let end = self.unary_bits.min(from + count + max_zeros);
+        if !select_ones(&self.unary, from, end, slots) {
+            return Err(if end == self.unary_bits { "position stream ends early" } else { "positions beyond the chunk's elements" });
+        }
+        // The last one is at `zeros + count - 1` from the list's start.
+        let zeros = u64::from(slots[slots.len() - 1]);
+        self.unary_at = from + zeros + count;
+        Ok(zeros)
+    }
+
+    /// Refuses a stream with ones left after the last list, or more than 7
+    /// padding bits after it.
+    pub(super) fn finish(&self) -> Result<(), &'static str> {
+        let rest = self.unary_at.div_ceil(64) as usize;
+        let tail = self.unary[(self.unary_at / 64) as usize] >> (self.unary_at % 64);
+        if (!self.unary_at.is_multiple_of(64) && tail != 0) || self.unary[rest..].iter().any(|&w| w != 0) {
+            return Err("position stream runs on past its last change");
+        }
+        if self.unary_bits - self.unary_at >= 8 {
+            return Err("position stream runs on past its last change");
+        }
+        Ok(())
+    }
+}
+
+/// Write to each slot the zeros between bit `from` of `unary` and the next
+/// one (bits `from..end` only), less the ones between them: the zeros
+/// before each one since `from`. False when fewer ones than slots lie
+/// there. `end - from` must be below 2^32.
+fn select_ones(unary: &[u64], from: u64, end: u64, slots: &mut [u32]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if avx512::has_compress() {
+        // Safety: the CPU has the kernel's features (just checked).
+        #[allow(unsafe_code)]
+        return unsafe { avx512::select_ones(unary, from, end, slots) };
+    }
+    select_ones_with(unary, from, end, slots, emit_ones)
+}
+
+/// `select_ones`, a word at a time: `emit(slots, word, zeros_at)` writes
+/// one slot per one of `word` (as many as `slots`), the slot of the `j`-th
+/// being `zeros_at + its bit - j`.
+#[inline(always)]
+fn select_ones_with(unary: &[u64], from: u64, end: u64, slots: &mut [u32], emit: impl Fn(&mut [u32], u64, u32)) -> bool {
+    let mut word_at = from / 64;
+    let mut word = unary[word_at as usize] & (u64::MAX << (from % 64));
+    let mut found = 0usize;
+    loop {
+        let word_start = 64 * word_at;
+        if word_start + 64 > end {
+            word &= (1u64 << (end - word_start)) - 1;
+        }
+        let ones = word.count_ones() as usize;
+        let need = slots.len() - found;
+        // Modulo 2^32, where every slot's value lies: the word's first
+        // bit's offset from `from` (less than 2^32 for any but the first
+        // word, whose ones lie at or past `from`), less the ones found.
+        let zeros_at = (word_start.wrapping_sub(from) as u32).wrapping_sub(found as u32);
+        if ones >= need {
+            emit(&mut slots[found..], lowest_ones(word, need), zeros_at);
+            return true;
+        }
+        emit(&mut slots[found..found + ones], word, zeros_at);
+        found += ones;
+        word_at += 1;
+        if 64 * word_at >= end {
+            return false;
+        }
+        word = unary[word_at as usize];
+    }
+}
+
+/// `word` with only its `keep` lowest ones (it has at least that many).
+#[inline(always)]
+fn lowest_ones(mut word: u64, keep: usize) -> u64 {
+    for _ in keep..word.count_ones() as usize {
+        word &= !(1u64 << (63 - word.leading_zeros()));
+    }
+    word
+}
+
+#[inline(always)]
+fn emit_ones(slots: &mut [u32], mut word: u64, zeros_at: u32) {
+    for (j, slot) in slots.iter_mut().enumerate() {
+        *slot = zeros_at.wrapping_add(word.trailing_zeros()).wrapping_sub(j as u32);
+        word &= word - 1;
+    }
+}
+
+/// The `i`-th low part of a list whose low parts start at bit `at`.
+#[inline(always)]
+fn low_part(lows: &[u8], at: u64, k: u32, i: usize) -> u64 {
+    let bit = at + i as u64 * u64::from(k);
+    let byte = (bit / 8) as usize;
+    let word = u64::from_le_bytes(lows[byte..byte + 8].try_into().expect("8 bytes"));
+    (word >> (bit % 8)) & ((1u64 << k) - 1)
+}
+
+/// Turn each slot's zeros `z_i` into its value `(z_i << k) + (l_0 + ... +
+/// l_i) + i`, where no lane can wrap (the caller checked the largest
+/// value).
+fn add_low_parts(lows: &[u8], at: u64, k: u32, slots: &mut [u32]) {
+    #[cfg(target_arch = "x86_64")]
+    if k <= avx512::MAX_K && at + slots.len() as u64 * u64::from(k) < 1 << 31 && avx512::available() {
+        // Safety: the CPU has the kernel's features; `k` and the low bits'
+        // extent are within its bounds (checked just above), and `lows`
+        // ends with 8 zero bytes past the bits read.
+        #[allow(unsafe_code)]
+        unsafe {
+            avx512::add_low_parts(lows, at as u32, k, slots)
+        };
+        return;
+    }
+    add_low_parts_scalar(lows, at, k, slots);
+}
+
+fn add_low_parts_scalar(lows: &[u8], at: u64, k: u32, slots: &mut [u32]) {
+    let mut sum = 0u32;
+    for (i, slot) in slots.iter_mut().enumerate() {
+        sum += low_part(lows, at, k, i) as u32;
+        *slot = (*slot << k) + sum + i as u32;
+    }
+}
+
+/// `add_low_parts` in 64 bits, for lists whose values could exceed 32
+/// bits (only a corrupt stream's do): refuses the first value that
+/// reaches `limit`.
+fn add_low_parts_wide(lows: &[u8], at: u64, k: u32, limit: u64, slots: &mut [u32]) -> Result<(), &'static str> {
+    let mut sum = 0u64;
+    for (i, slot) in slots.iter_mut().enumerate() {
+        sum += low_part(lows, at, k, i);
+        let value = (u64::from(*slot) << k) + sum + i as u64;
+        if value >= limit {
+            return Err("positions beyond the chunk's elements");
+        }
+        *slot = value as u32;
+    }
+    Ok(())
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod avx512 {
+    use std::arch::x86_64::*;
+    use std::sync::OnceLock;
+
+    use super::super::bits::BitWriter;
+    use super::super::gather_x86::lanes;
+
+    /// The largest parameter the kernel reads: a low part and its bit
+    /// offset within a byte fit one 32-bit load.
+    pub(super) const MAX_K: u32 = 24;
+
+    pub(super) fn available() -> bool {
+        static AVAILABLE: OnceLock<bool> = OnceLock::new();
+        *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx512f"))
+    }
+
+    /// Whether this CPU runs `select_ones` (a byte compress: AVX-512
+    /// VBMI2; BMI2 for `pdep`).
+    pub(super) fn has_compress() -> bool {
+        static AVAILABLE: OnceLock<bool> = OnceLock::new();
+        *AVAILABLE.get_or_init(|| {
+            is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vbmi2")
+                && is_x86_feature_detected!("bmi2")
+        })
+    }
+
+    /// `put_each` of the low parts of the leading gaps, sixteen at a time
+    /// where `k <= 14`: narrowed to bytes (`k <= 7`) or 16-bit words, then
+    /// packed by a `pext` per eight bytes. Returns how many it wrote.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F and BMI2.
+    #[target_feature(enable = "avx512f,bmi2")]
+    pub(super) unsafe fn put_low_parts(lows: &mut BitWriter, gaps: &[u32], k: u32) -> usize {
+        let blocks = gaps.chunks_exact(16);
+        let done = gaps.len() - blocks.remainder().len();
+        let mut sink = lows.sink(done * k as usize);
+        match k {
+            1..=7 => {
+                let mask = u64::from_le_bytes([((1u32 << k) - 1) as u8; 8]);
+                for block in blocks {
+                    let bytes = _mm512_cvtepi32_epi8(_mm512_loadu_si512(block.as_ptr().cast()));
+                    sink.put(pack_bits(_mm_cvtsi128_si64(bytes) as u64, mask), 8 * k);
+                    sink.put(pack_bits(_mm_extract_epi64::<1>(bytes) as u64, mask), 8 * k);
+                }
+            }
+            8..=14 => {
+                let mask = 0x0001_0001_0001_0001 * ((1u64 << k) - 1);
+                for block in blocks {
+                    let mut words = [0u64; 4];
+                    _mm256_storeu_si256(words.as_mut_ptr().cast(), _mm512_cvtepi32_epi16(_mm512_loadu_si512(block.as_ptr().cast())));
+                    for word in words {
+                        sink.put(pack_bits(word, mask), 4 * k);
+                    }
+                }
+            }
+            _ => {
+                sink.finish();
+                return 0;
+            }
+        }
+        sink.finish();
+        done
+    }
+
+    /// The bits of `value` where `mask` has ones, packed (`pext`).
+    #[inline(always)]
+    unsafe fn pack_bits(value: u64, mask: u64) -> u64 {
+        _pext_u64(value, mask)
+    }
+
+    /// `super::rice_costs_any` on sixteen lanes.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn rice_costs(gaps: &[u32], k0: u32) -> [u64; 3] {
+        super::rice_costs_any(gaps, k0)
+    }
+
+    /// `super::put_unary`, sixteen gaps at a time: the ones' offsets from a
+    /// prefix sum of the codes' lengths, and, where the sixteen ones lie
+    /// within two words (unless a gap is long), those two words' bits
+    /// OR-ed together from one shifted bit per lane.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F and BW; `unary` holds the bits up to the
+    /// list's end and a word more.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn put_unary(unary: &mut [u64], mut at: u64, gaps: &[u32], k: u32) {
+        let shift = _mm_cvtsi32_si128(k as i32);
+        let one32 = _mm512_set1_epi32(1);
+        let one64 = _mm512_set1_epi64(1);
+        let sixty_four = _mm512_set1_epi64(64);
+        let zero = _mm512_setzero_si512();
+        let blocks = gaps.chunks_exact(16);
+        let rest = blocks.remainder();
+        for block in blocks {
+            let q = _mm512_srl_epi32(_mm512_loadu_si512(block.as_ptr().cast()), shift);
+            // Short unary parts only: the sixteen codes' bits then add up
+            // in a lane without wrapping.
+            if _mm512_cmpgt_epu32_mask(q, _mm512_set1_epi32(1 << 16)) != 0 {
+                at = super::put_unary_block(unary, at, block, k);
+                continue;
+            }
+            let mut e = _mm512_add_epi32(q, one32);
+            e = _mm512_add_epi32(e, _mm512_alignr_epi32::<15>(e, zero));
+            e = _mm512_add_epi32(e, _mm512_alignr_epi32::<14>(e, zero));
+            e = _mm512_add_epi32(e, _mm512_alignr_epi32::<12>(e, zero));
+            e = _mm512_add_epi32(e, _mm512_alignr_epi32::<8>(e, zero));
+            let total = _mm512_cvtsi512_si32(_mm512_alignr_epi32::<15>(e, e)) as u32;
+            let word_at = (at / 64) as usize;
+            // The ones' offsets from that word's first bit.
+            let r = _mm512_add_epi32(e, _mm512_set1_epi32((at % 64) as i32 - 1));
+            if u64::from(total) + at % 64 > 128 {
+                at = super::put_unary_block(unary, at, block, k);
+                continue;
+            }
+            let (r0, r1) = (_mm512_cvtepu32_epi64(_mm512_castsi512_si256(r)), _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64::<1>(r)));
+            // A shift by 64 or more (or a wrapped negative) gives 0.
+            let low = _mm512_or_si512(_mm512_sllv_epi64(one64, r0), _mm512_sllv_epi64(one64, r1));
+            let high = _mm512_or_si512(_mm512_sllv_epi64(one64, _mm512_sub_epi64(r0, sixty_four)), _mm512_sllv_epi64(one64, _mm512_sub_epi64(r1, sixty_four)));
+            unary[word_at] |= _mm512_reduce_or_epi64(low) as u64;
+            unary[word_at + 1] |= _mm512_reduce_or_epi64(high) as u64;
+            at += u64::from(total);
+        }
+        super::put_unary_block(unary, at, rest, k);
+    }
+
+    /// `super::select_ones_with` where the ones of a word become slots
+    /// sixteen at a time: their bit numbers compressed into bytes, widened
+    /// and offset, and the last word's extra ones dropped by one `pdep`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, BW, VBMI2 and BMI2 (`has_compress`).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi2,bmi2,popcnt")]
+    pub(super) unsafe fn select_ones(unary: &[u64], from: u64, end: u64, slots: &mut [u32]) -> bool {
+        let bit_numbers = _mm512_set_epi8(
+            63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31,
+            30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0,
+        );
+        let iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        super::select_ones_with(unary, from, end, slots, |slots, word, zeros_at| {
+            let n = slots.len();
+            // Only the needed ones: the last word may hold more.
+            let word = if n < word.count_ones() as usize { _pdep_u64((1u64 << n) - 1, word) } else { word };
+            let mut bits = [0u8; 64];
+            _mm512_storeu_si512(bits.as_mut_ptr().cast(), _mm512_maskz_compress_epi8(word, bit_numbers));
+            let mut g = 0;
+            while g < n {
+                let m = lanes(n - g);
+                let numbers = _mm512_cvtepu8_epi32(_mm_loadu_si128(bits.as_ptr().add(g).cast()));
+                let offset = _mm512_sub_epi32(_mm512_set1_epi32(zeros_at.wrapping_sub(g as u32) as i32), iota);
+                _mm512_mask_storeu_epi32(slots.as_mut_ptr().add(g).cast(), m, _mm512_add_epi32(numbers, offset));
+                g += 16;
+            }
+        })
+    }
+
+    /// `add_low_parts_scalar`, sixteen slots at a time: the low parts are
+    /// gathered from their bytes, shifted into place and added up in the
+    /// register.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F; `k <= MAX_K`; `at + slots.len() * k < 2^31`;
+    /// `lows` holds the bits read and 4 more bytes.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn add_low_parts(lows: &[u8], at: u32, k: u32, slots: &mut [u32]) {
+        debug_assert!(k <= MAX_K && u64::from(at) + slots.len() as u64 * u64::from(k) < 1 << 31);
+        debug_assert!((u64::from(at) + slots.len() as u64 * u64::from(k)).div_ceil(8) + 4 <= lows.len() as u64);
+        let n = slots.len();
+        let zero = _mm512_setzero_si512();
+        let iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        let vk = _mm512_set1_epi32(k as i32);
+        let shift = _mm_cvtsi32_si128(k as i32);
+        let mask = _mm512_set1_epi32(((1u64 << k) - 1) as i32);
+        let seven = _mm512_set1_epi32(7);
+        let last = _mm512_set1_epi32(15);
+        let mut carry = zero;
+        let mut i = 0;
+        while i < n {
+            let m = lanes(n - i);
+            let index = _mm512_add_epi32(_mm512_set1_epi32(i as i32), iota);
+            let bit = _mm512_add_epi32(_mm512_set1_epi32(at as i32), _mm512_mullo_epi32(index, vk));
+            let bytes = _mm512_mask_i32gather_epi32::<1>(zero, m, _mm512_srli_epi32::<3>(bit), lows.as_ptr().cast());
+            let mut x = _mm512_and_si512(_mm512_srlv_epi32(bytes, _mm512_and_si512(bit, seven)), mask);
+            x = _mm512_add_epi32(x, _mm512_alignr_epi32::<15>(x, zero));
+            x = _mm512_add_epi32(x, _mm512_alignr_epi32::<14>(x, zero));
+            x = _mm512_add_epi32(x, _mm512_alignr_epi32::<12>(x, zero));
+            x = _mm512_add_epi32(x, _mm512_alignr_epi32::<8>(x, zero));
+            let sums = _mm512_add_epi32(x, carry);
+            carry = _mm512_permutexvar_epi32(last, sums);
+            let at_slots = slots.as_mut_ptr().add(i);
+            let zeros = _mm512_maskz_loadu_epi32(m, at_slots.cast());
+            let values = _mm512_add_epi32(_mm512_add_epi32(_mm512_sll_epi32(zeros, shift), sums), index);
+            _mm512_mask_storeu_epi32(at_slots.cast(), m, values);
+            i += 16;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Ascending values from their gaps.
+    fn values_of(gaps: &[u32]) -> Vec<u32> {
+        let mut next = 0u32;
+        gaps.iter()
+            .map(|&g| {
+                let v = next + g;
+                next = v + 1;
+                v
+            })
+            .collect()
+    }
+
+    /// Several lists of every parameter, short and long gaps, through one
+    /// writer and one reader; both low-part paths give the same values.
+    #[test]
+    fn lists_round_trip() {
+        let mut next = super::super::tests::xorshift(0x9e37_79b9_7f4a_7c15);
+        let mut lists = Vec::new();
+        for k in [0u32, 1, 3, 7, 12, 20, 24, 25, 31] {
+            for len in [0usize, 1, 2, 15, 16, 17, 100, 1000] {
+                // Gaps below 2^21: a list of 1000 stays below 2^32.
+                let gaps: Vec<u32> = (0..len)
+                    .map(|_| match next() % 16 {
+                        0 => (next() % (1 << 21)) as u32,
+                        1 => ((next() % 300) << k.min(12)) as u32,
+                        _ => (next() % (4u64 << k).min(1 << 21)) as u32,
+                    })
+                    .collect();
+                lists.push((k, gaps));
+            }
+        }
+        // Values up to the largest a chunk has.
+        lists.push((31, vec![(1 << 31) + 5, (1 << 31) - 100]));
+        lists.push((0, vec![0, 0, 1, 0]));
+        let mut w = RiceWriter::new();
+        let mut low_bits = 0;
+        for (k, gaps) in &lists {
+            w.put_gaps(gaps, *k, code_bits(gaps, *k));
+            low_bits += gaps.len() as u64 * u64::from(*k);
+        }
+        let stream = w.finish();
+        let mut r = RiceReader::new(&stream, low_bits).unwrap();
+        for (k, gaps) in &lists {
+            let values = values_of(gaps);
+            let mut out = vec![7u32];
+            let after = r.read_ascending(*k, gaps.len() as u64, u64::from(u32::MAX), &mut out).unwrap();
+            assert_eq!(&out[1..], &values[..], "k {k}, {} gaps", gaps.len());
+            assert_eq!(after, values.last().map_or(0, |&v| u64::from(v) + 1));
+            // The scalar reference and the wide path read the same.
+            if let Some(&last) = values.last() {
+                let low_at = r.low_at - gaps.len() as u64 * u64::from(*k);
+                let zeros: Vec<u32> = values.iter().zip(gaps).scan(0u32, |z, (_, &g)| {
+                    *z += g >> k;
+                    Some(*z)
+                }).collect();
+                let mut scalar = zeros.clone();
+                add_low_parts_scalar(&r.lows, low_at, *k, &mut scalar);
+                assert_eq!(scalar, values);
+                let mut wide = zeros.clone();
+                add_low_parts_wide(&r.lows, low_at, *k, u64::from(last) + 1, &mut wide).unwrap();
+                assert_eq!(wide, values);
+            }
+        }
+        r.finish().unwrap();
+    }
+
+    /// The kernel's selection (where the CPU has it) matches the word by
+    /// word loop on random bits, from any start and to any end.
+    #[test]
+    fn select_paths_agree() {
+        let mut next = super::super::tests::xorshift(0x51ec_7ab1_e000_0001);
+        for density in [1u64, 4, 16, 48, 63] {
+            let unary: Vec<u64> = (0..40).map(|_| (0..density).fold(0, |w, _| w | 1 << (next() % 64))).chain([0]).collect();
+            for _ in 0..200 {
+                let from = next() % (64 * 39);
+                let end = from + next() % (64 * 40 - from);
+                let count = 1 + (next() % 300) as usize;
+                let mut scalar = vec![0u32; count];
+                let found = select_ones_with(&unary, from, end, &mut scalar, emit_ones);
+                let mut fast = vec![0u32; count];
+                assert_eq!(select_ones(&unary, from, end, &mut fast), found);
+                if found {
+                    assert_eq!(fast, scalar, "from {from} end {end} count {count}");
+                    // Each slot is the zeros before its one since `from`.
+                    let mut ones = 0;
+                    for bit in from..end {
+                        if unary[(bit / 64) as usize] >> (bit % 64) & 1 == 1 && ones < count {
+                            assert_eq!(u64::from(scalar[ones]), bit - from - ones as u64);
+                            ones += 1;
+                        }
+                    }
+                    assert_eq!(ones, count);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_streams_are_refused() {
+        let gaps = [3u32, 0, 9, 40, 2];
+        let mut w = RiceWriter::new();
+        w.put_gaps(&gaps, 2, code_bits(&gaps, 2));
+        let stream = w.finish();
+        let read = |stream: &[u8], count: u64, limit: u64| -> Result<Vec<u32>, &'static str> {
+            let mut r = RiceReader::new(stream, count * 2)?;
+            let mut out = Vec::new();
+            r.read_ascending(2, count, limit, &mut out)?;
+            r.finish()?;
+            Ok(out)
+        };
+        assert_eq!(read(&stream, 5, 100).unwrap(), values_of(&gaps));
+        // The last value is 58: a limit of 58 refuses it.
+        assert_eq!(read(&stream, 5, 58), Err("positions beyond the chunk's elements"));
+        assert_eq!(read(&stream, 6, 100), Err("position stream ends early"));
+        assert_eq!(read(&stream[..stream.len() - 1], 5, 100), Err("position stream ends early"));
+        assert_eq!(read(&stream[..1], 5, 100), Err("position stream ends early"));
+        assert_eq!(read(&stream, 4, 100), Err("position stream runs on past its last change"));
+        let mut longer = stream.clone();
+        longer.push(0);
+        assert_eq!(read(&longer, 5, 100), Err("position stream runs on past its last change"));
+        // A unary part longer than any value below the limit allows is not
+        // scanned to its end.
+        let mut w = RiceWriter::new();
+        w.put_gaps(&[1 << 20], 0, code_bits(&[1 << 20], 0));
+        assert_eq!(read_k0(&w.finish(), 1000), Err("positions beyond the chunk's elements"));
+        // More values than fit below the limit.
+        assert_eq!(read(&stream, 5, 4), Err("positions beyond the chunk's elements"));
+    }
+
+    fn read_k0(stream: &[u8], limit: u64) -> Result<Vec<u32>, &'static str> {
+        let mut r = RiceReader::new(stream, 0)?;
+        let mut out = Vec::new();
+        r.read_ascending(0, 1, limit, &mut out)?;
+        Ok(out)
+    }
+
+    /// Low parts whose sum alone passes 2^32 (only a corrupt stream has
+    /// them) go through the 64-bit path and are refused, not wrapped.
+    #[test]
+    fn sums_past_32_bits_are_refused() {
+        let gaps = vec![(1u32 << 31) - 1; 4];
+        let mut w = RiceWriter::new();
+        w.put_gaps(&gaps, 31, code_bits(&gaps, 31));
+        let stream = w.finish();
+        let mut r = RiceReader::new(&stream, 4 * 31).unwrap();
+        let mut out = Vec::new();
+        assert_eq!(r.read_ascending(31, 4, u64::from(u32::MAX), &mut out), Err("positions beyond the chunk's elements"));
+    }
+
+    #[test]
+    fn best_parameter_is_the_cheapest_of_all() {
+        let mut next = super::super::tests::xorshift(0x1234_5678);
+        for mean in [0u64, 1, 5, 40, 1000, 100_000] {
+            let gaps: Vec<u32> = (0..500).map(|_| (next() % (2 * mean + 1)) as u32).collect();
+            let span: u64 = gaps.iter().map(|&g| u64::from(g) + 1).sum();
+            let (k, bits) = best_rice_parameter(&gaps, span, gaps.len() as u64);
+            let cost = |k: u32| gaps.iter().map(|&g| u64::from(g >> k) + 1 + u64::from(k)).sum::<u64>();
+            assert_eq!(bits, cost(k));
+            let best = (0..32).map(cost).min().unwrap();
+            assert!(bits <= best + best / 50, "mean {mean}: k {k} costs {bits}, the best {best}");
+            let mut w = RiceWriter::new();
+            w.put_gaps(&gaps, k, bits);
+            assert_eq!(w.finish().len() as u64, (gaps.len() as u64 * u64::from(k)).div_ceil(8) + (bits - gaps.len() as u64 * u64::from(k)).div_ceil(8));
+        }
+    }
+}
