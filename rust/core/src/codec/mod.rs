@@ -4,8 +4,10 @@
 //! A chunk's changes are either XOR masks (old ^ new, exact for any bit
 //! pattern and self-inverse) or overwrites (the new bits, idempotent). The
 //! encoder picks the smallest representation per chunk:
+//! - `Rice`: the positions' gaps as Rice codes (`rice`), plus the value
+//!   words split into byte planes;
 //! - `Sparse`: gap-coded positions (one byte per gap, 255 escapes to a varint
-//!   stream) plus the value words split into byte planes;
+//!   stream, through zstd) plus byte planes;
 //! - `Bitmap`: one bit per element plus byte planes of the changed values;
 //! - `Dense`: byte planes of every element's value (XOR or new);
 //! - `Raw`: every element's value verbatim, no compression.
@@ -51,8 +53,8 @@ pub enum Encoding {
     Dense = 2,
     /// Every element's value, as is.
     Raw = 3,
-    /// Positions as Rice codes (no table to send), values as byte planes:
-    /// for chunks of few changes.
+    /// Positions as Rice codes (no table to send, near the entropy of
+    /// uniformly scattered changes), values as byte planes.
     Rice = 4,
 }
 

@@ -135,7 +135,7 @@ impl RiceWriter {
 /// on: a one `g >> k` bits after the previous code's end. The word being
 /// filled stays in a register until the ones move on.
 #[inline(always)]
-pub(super) fn put_unary(unary: &mut [u64], mut at: u64, gaps: &[u32], k: u32) {
+fn put_unary(unary: &mut [u64], mut at: u64, gaps: &[u32], k: u32) {
     let mut word_at = (at / 64) as usize;
     let mut word = 0u64;
     for &g in gaps {
@@ -656,6 +656,35 @@ mod tests {
             }
         }
         r.finish().unwrap();
+    }
+
+    /// The writer's kernels (where the CPU has them) write what the
+    /// portable loops write, for every parameter, long gaps included.
+    #[test]
+    fn writer_paths_agree() {
+        let mut next = super::super::tests::xorshift(0x7e57_0b17);
+        for k in 0..32u32 {
+            for len in [1usize, 15, 16, 17, 33, 500] {
+                let gaps: Vec<u32> = (0..len)
+                    .map(|_| match next() % 20 {
+                        0 => (next() % (1 << 24)) as u32,
+                        _ => (next() % (3u64 << k).min(1 << 24)) as u32,
+                    })
+                    .collect();
+                let bits = code_bits(&gaps, k);
+                let mut w = RiceWriter::new();
+                w.put_gaps(&gaps, k, bits);
+                let fast = w.finish();
+                let mut lows = BitWriter::new();
+                lows.put_each(&gaps, k);
+                let unary_bits = bits - len as u64 * u64::from(k);
+                let mut unary = vec![0u64; unary_bits.div_ceil(64) as usize];
+                put_unary(&mut unary, 0, &gaps, k);
+                let mut portable = lows.finish();
+                portable.extend(unary.iter().flat_map(|w| w.to_le_bytes()).take(unary_bits.div_ceil(8) as usize));
+                assert_eq!(fast, portable, "k {k}, {len} gaps");
+            }
+        }
     }
 
     /// The kernel's selection (where the CPU has it) matches the word by
