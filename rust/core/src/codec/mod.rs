@@ -366,20 +366,19 @@ fn with_position_gaps<R>(positions: &[u32], f: impl FnOnce(&[u32]) -> R) -> R {
 fn rice_positions(gaps: &[u32], k: u32, bits: u64) -> Vec<u8> {
     let mut codes = rice::RiceWriter::new();
     codes.put_gaps(gaps, k, bits);
-    let codes = codes.finish();
-    debug_assert_eq!(codes.len(), rice_codes_len(gaps.len(), k, bits));
-    let mut out = Vec::with_capacity(codes.len() + 12);
-    out.push(k as u8);
-    put_stored(&mut out, &codes);
-    debug_assert_eq!(out.len(), 2 + varint_len(codes.len() as u64) + codes.len());
+    let mut out = vec![k as u8];
+    put_stored(&mut out, &codes.finish());
+    debug_assert_eq!(out.len(), rice_positions_len(gaps.len(), k, bits));
     out
 }
 
-/// The bytes of `m` Rice codes of `bits` bits with parameter `k`: the low
-/// parts, then the unary parts, each padded to whole bytes.
-fn rice_codes_len(m: usize, k: u32, bits: u64) -> usize {
+/// The bytes `rice_positions` writes for `m` gaps whose Rice codes take
+/// `bits` with parameter `k`: `k`, a stored stream's header (a byte and a
+/// varint), the low parts and the unary parts, each padded to whole bytes.
+fn rice_positions_len(m: usize, k: u32, bits: u64) -> usize {
     let low_bits = m as u64 * u64::from(k);
-    (low_bits.div_ceil(8) + (bits - low_bits).div_ceil(8)) as usize
+    let codes = (low_bits.div_ceil(8) + (bits - low_bits).div_ceil(8)) as usize;
+    2 + varint_len(codes as u64) + codes
 }
 
 /// Whether the sparse encoding's gap bytes could take fewer than `bytes`,
@@ -607,9 +606,7 @@ pub fn encode_changes(
             with_position_gaps(positions, |gaps| {
                 let span = positions.last().map_or(0, |&p| u64::from(p) + 1);
                 let (k, bits) = rice::best_rice_parameter(gaps, span, m as u64);
-                let codes_len = rice_codes_len(m, k, bits);
-                // `k`, then a stored stream's header (a byte and a varint).
-                let rice_len = 2 + varint_len(codes_len as u64) + codes_len;
+                let rice_len = rice_positions_len(m, k, bits);
                 match gap_bytes_could_beat(gaps, rice_len).then(|| sparse_positions(positions, level)) {
                     Some(sparse) if sparse.len() < rice_len => (Encoding::Sparse, sparse),
                     _ => (Encoding::Rice, rice_positions(gaps, k, bits)),

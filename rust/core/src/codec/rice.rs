@@ -100,7 +100,7 @@ impl RiceWriter {
         // A word of slack: the kernel ORs two words per sixteen gaps.
         self.unary.resize(end.div_ceil(64) as usize + 1, 0);
         #[cfg(target_arch = "x86_64")]
-        if avx512::has_compress() {
+        if avx512::has_kernels() {
             // Safety: the CPU has the kernels' features (just checked);
             // `unary` holds the list's bits, and a word more.
             #[allow(unsafe_code)]
@@ -197,13 +197,16 @@ impl RiceReader {
         Ok(RiceReader { lows, low_at: 0, low_bits, unary, unary_at: 0, unary_bits: 8 * unary_part.len() as u64 })
     }
 
-    /// Read the next list: `count` values, each below `limit` (less than
-    /// 2^32), coded with parameter `k < 32`, appended to `out` in
+    /// Read the next list: `count` values, each below `limit` (and below
+    /// 2^32 - 1), coded with parameter `k < 32`, appended to `out` in
     /// ascending order. Returns the value after the last (0 for an empty
     /// list); `Err` says what is wrong when the stream ends early or a
     /// value would reach `limit`.
     pub(super) fn read_ascending(&mut self, k: u32, count: u64, limit: u64, out: &mut Vec<u32>) -> Result<u64, &'static str> {
-        debug_assert!(k < 32 && limit <= u64::from(u32::MAX));
+        debug_assert!(k < 32);
+        // Values are 32-bit: none reaches 2^32 - 1 whatever the caller's
+        // limit, and the slots below count zeros in 32 bits.
+        let limit = limit.min(u64::from(u32::MAX));
         if count == 0 {
             return Ok(0);
         }
@@ -258,10 +261,8 @@ impl RiceReader {
     pub(super) fn finish(&self) -> Result<(), &'static str> {
         let rest = self.unary_at.div_ceil(64) as usize;
         let tail = self.unary[(self.unary_at / 64) as usize] >> (self.unary_at % 64);
-        if (!self.unary_at.is_multiple_of(64) && tail != 0) || self.unary[rest..].iter().any(|&w| w != 0) {
-            return Err("position stream runs on past its last change");
-        }
-        if self.unary_bits - self.unary_at >= 8 {
+        let ones_left = (!self.unary_at.is_multiple_of(64) && tail != 0) || self.unary[rest..].iter().any(|&w| w != 0);
+        if ones_left || self.unary_bits - self.unary_at >= 8 {
             return Err("position stream runs on past its last change");
         }
         Ok(())
@@ -274,7 +275,7 @@ impl RiceReader {
 /// there. `end - from` must be below 2^32.
 fn select_ones(unary: &[u64], from: u64, end: u64, slots: &mut [u32]) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if avx512::has_compress() {
+    if avx512::has_kernels() {
         // Safety: the CPU has the kernel's features (just checked).
         #[allow(unsafe_code)]
         return unsafe { avx512::select_ones(unary, from, end, slots) };
@@ -401,9 +402,10 @@ mod avx512 {
         *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx512f"))
     }
 
-    /// Whether this CPU runs `select_ones` (a byte compress: AVX-512
-    /// VBMI2; BMI2 for `pdep`).
-    pub(super) fn has_compress() -> bool {
+    /// Whether this CPU runs the kernels that need more than AVX-512 F:
+    /// `select_ones` (a byte compress: AVX-512 BW and VBMI2) and
+    /// `put_low_parts` (`pext`: BMI2).
+    pub(super) fn has_kernels() -> bool {
         static AVAILABLE: OnceLock<bool> = OnceLock::new();
         *AVAILABLE.get_or_init(|| {
             is_x86_feature_detected!("avx512f")
@@ -517,12 +519,12 @@ mod avx512 {
     }
 
     /// `super::select_ones_with` where the ones of a word become slots
-    /// sixteen at a time: their bit numbers compressed into bytes, widened
-    /// and offset, and the last word's extra ones dropped by one `pdep`.
+    /// sixteen at a time: their bit numbers compressed into bytes, then
+    /// widened and offset.
     ///
     /// # Safety
-    /// The CPU has AVX-512 F, BW, VBMI2 and BMI2 (`has_compress`).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi2,bmi2,popcnt")]
+    /// The CPU has AVX-512 F, BW and VBMI2 (`has_kernels`).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi2,popcnt")]
     pub(super) unsafe fn select_ones(unary: &[u64], from: u64, end: u64, slots: &mut [u32]) -> bool {
         let bit_numbers = _mm512_set_epi8(
             63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31,
@@ -531,8 +533,6 @@ mod avx512 {
         let iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         super::select_ones_with(unary, from, end, slots, |slots, word, zeros_at| {
             let n = slots.len();
-            // Only the needed ones: the last word may hold more.
-            let word = if n < word.count_ones() as usize { _pdep_u64((1u64 << n) - 1, word) } else { word };
             let mut bits = [0u8; 64];
             _mm512_storeu_si512(bits.as_mut_ptr().cast(), _mm512_maskz_compress_epi8(word, bit_numbers));
             let mut g = 0;
