@@ -1,5 +1,7 @@
-//! Time the stages of a diff and an apply on two safetensors files, on one
-//! thread: `cargo run --release -p dcr-core --example profile_diff OLD NEW`.
+//! Time the stages of a diff and an apply on two safetensors files, on the
+//! calling thread (`exec::on_this_thread`, what `threads=1` means from
+//! Python; a one-thread pool would add a wake-up of its worker to every
+//! timed call): `cargo run --release -p dcr-core --example profile_diff OLD NEW`.
 //! Prints the median of the repeats for each stage, in GB/s of checkpoint.
 //! `... OLD NEW REPEATS STAGE` runs only the stages whose names contain STAGE.
 //! With `COLD=1` in the environment each repeat first writes 256 MiB
@@ -30,7 +32,6 @@ fn main() {
     let layout = a.layout().clone();
     let (ob, nb) = (a.buffers(), b.buffers());
     let total: usize = ob.iter().map(|x| x.len()).sum();
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
     let base_digests = layout.tensor_digests(&ob);
     let opts = DiffOptions::default();
     let mut delta_bytes = Vec::new();
@@ -54,7 +55,7 @@ fn main() {
         }
         stages.push((name, v));
     };
-    pool.install(|| {
+    dcr_core::exec::on_this_thread(|| {
         time("read old + new (bound)", &mut || {
             let mut acc = 0u64;
             for (o, n) in ob.iter().zip(&nb) {
@@ -111,6 +112,34 @@ fn main() {
     });
     // Apply: each repeat starts from a fresh copy of the base (copy not timed).
     let mut work: Vec<Vec<u8>> = ob.iter().map(|b| b.to_vec()).collect();
+    // The write alone: chunks decoded beforehand (not timed), then written
+    // in place with their digest moves, as the apply's second phase does.
+    if "apply: write decoded chunks".contains(only.as_str()) {
+        let decoded: Vec<_> = parsed
+            .chunks
+            .iter()
+            .map(|c| {
+                let w = layout.tensors()[c.tensor as usize].dtype.word_bytes();
+                codec::decode_chunk(&c.payload, c.len as usize, w, c.encoding, c.n_changed, "chunk").unwrap()
+            })
+            .collect();
+        let mut v = Vec::new();
+        for _ in 0..repeats {
+            for (w, o) in work.iter_mut().zip(&ob) {
+                w.copy_from_slice(o);
+            }
+            evict_caches();
+            let t = Instant::now();
+            for (c, d) in parsed.chunks.iter().zip(&decoded) {
+                let w = layout.tensors()[c.tensor as usize].dtype.word_bytes();
+                let at = c.start as usize * w;
+                let slice = &mut work[c.tensor as usize][at..at + c.len as usize * w];
+                std::hint::black_box(d.apply_tracked(slice, c.kind, c.start));
+            }
+            v.push(t.elapsed());
+        }
+        stages.push(("apply: write decoded chunks", v));
+    }
     let mut time_apply = |name: &'static str, known: bool| {
         if !name.contains(only.as_str()) {
             return;
@@ -123,7 +152,7 @@ fn main() {
             let mut targets: Vec<&mut [u8]> = work.iter_mut().map(|w| &mut w[..]).collect();
             evict_caches();
             let t = Instant::now();
-            pool.install(|| delta::apply_from(&parsed, &layout, &mut targets, known.then_some(&base_digests[..])).unwrap());
+            dcr_core::exec::on_this_thread(|| delta::apply_from(&parsed, &layout, &mut targets, known.then_some(&base_digests[..])).unwrap());
             v.push(t.elapsed());
         }
         stages.push((name, v));

@@ -185,9 +185,13 @@ impl RiceReader {
             return Err("position stream ends early");
         }
         let (low_part, unary_part) = stream.split_at(low_bytes as usize);
-        let mut lows = Vec::with_capacity(low_part.len() + 8);
+        // Zero bytes after the low parts: the scalar loop reads 8 bytes
+        // from a part's first byte, the AVX2 kernel two 16-byte halves
+        // from a block's.
+        const PADDING: usize = 24;
+        let mut lows = Vec::with_capacity(low_part.len() + PADDING);
         lows.extend_from_slice(low_part);
-        lows.resize(low_part.len() + 8, 0);
+        lows.resize(low_part.len() + PADDING, 0);
         let mut unary = vec![0u64; unary_part.len().div_ceil(8) + 1];
         for (word, bytes) in unary.iter_mut().zip(unary_part.chunks(8)) {
             let mut le = [0u8; 8];
@@ -357,12 +361,25 @@ fn add_low_parts(lows: &[u8], at: u64, k: u32, slots: &mut [u32]) {
         };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if k <= avx2::MAX_K && avx2::available() {
+        // Safety: the CPU has AVX2 and `k` is within the kernel's bound.
+        #[allow(unsafe_code)]
+        let (done, sum) = unsafe { avx2::add_low_parts(lows, at, k, slots) };
+        add_low_parts_from(lows, at, k, slots, done, sum);
+        return;
+    }
     add_low_parts_scalar(lows, at, k, slots);
 }
 
 fn add_low_parts_scalar(lows: &[u8], at: u64, k: u32, slots: &mut [u32]) {
-    let mut sum = 0u32;
-    for (i, slot) in slots.iter_mut().enumerate() {
+    add_low_parts_from(lows, at, k, slots, 0, 0);
+}
+
+/// `add_low_parts_scalar` from slot `first` on, where `sum` is the sum of
+/// the low parts before it.
+fn add_low_parts_from(lows: &[u8], at: u64, k: u32, slots: &mut [u32], first: usize, mut sum: u32) {
+    for (i, slot) in slots.iter_mut().enumerate().skip(first) {
         sum += low_part(lows, at, k, i) as u32;
         *slot = (*slot << k) + sum + i as u32;
     }
@@ -382,6 +399,91 @@ fn add_low_parts_wide(lows: &[u8], at: u64, k: u32, limit: u64, slots: &mut [u32
         *slot = value as u32;
     }
     Ok(())
+}
+
+/// The reader's low-part kernel for x86 CPUs without AVX-512 (AVX2 only,
+/// no gather: eight parts are taken out of their bytes by one shuffle).
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod avx2 {
+    use std::arch::x86_64::*;
+    use std::sync::OnceLock;
+
+    /// The largest parameter the kernel reads: a part and its bit offset
+    /// within a byte fit the three bytes each lane takes.
+    pub(super) const MAX_K: u32 = 16;
+
+    pub(super) fn available() -> bool {
+        static AVAILABLE: OnceLock<bool> = OnceLock::new();
+        *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx2"))
+    }
+
+    /// `add_low_parts_scalar` on the leading slots, eight at a time, as far
+    /// as each block's 16-byte loads stay inside `lows`. Returns how many
+    /// slots it did and the sum of their low parts (the rest is the
+    /// caller's, from there).
+    ///
+    /// Eight parts of `k` bits take exactly `k` bytes, so every block's
+    /// parts lie at the same bit offsets from the block's first byte: one
+    /// byte shuffle and one shift per lane, the same for the whole list,
+    /// take them out (the high four lanes read from a second load, `high`
+    /// bytes on).
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `k <= MAX_K`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn add_low_parts(lows: &[u8], at: u64, k: u32, slots: &mut [u32]) -> (usize, u32) {
+        debug_assert!(k <= MAX_K);
+        let phase = (at % 8) as u32;
+        let first_byte = (at / 8) as usize;
+        let high = ((phase + 4 * k) / 8) as usize;
+        // Blocks whose two loads end inside `lows`.
+        let fit = match lows.len().checked_sub(first_byte + high + 16) {
+            None => 0,
+            Some(_) if k == 0 => usize::MAX,
+            Some(room) => room / k as usize + 1,
+        };
+        let blocks = (slots.len() / 8).min(fit);
+        // Lane `j` takes bytes `bit / 8 ..= bit / 8 + 2` of its half (the
+        // fourth byte zero) and shifts right by `bit % 8`.
+        let mut index = [0u8; 32];
+        let mut shifts = [0u32; 8];
+        for j in 0..8u32 {
+            let bit = phase + j * k - if j >= 4 { 8 * high as u32 } else { 0 };
+            for b in 0..3 {
+                index[(4 * j + b) as usize] = (bit / 8 + b) as u8;
+            }
+            index[(4 * j + 3) as usize] = 0x80;
+            shifts[j as usize] = bit % 8;
+        }
+        let index = _mm256_loadu_si256(index.as_ptr().cast());
+        let shifts = _mm256_loadu_si256(shifts.as_ptr().cast());
+        let mask = _mm256_set1_epi32(((1u64 << k) - 1) as i32);
+        let count = _mm_cvtsi32_si128(k as i32);
+        let zero = _mm256_setzero_si256();
+        let (lane3, lane7) = (_mm256_set1_epi32(3), _mm256_set1_epi32(7));
+        let eight = _mm256_set1_epi32(8);
+        let mut numbers = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let mut carry = zero;
+        for b in 0..blocks {
+            let p = lows.as_ptr().add(first_byte + b * k as usize);
+            let bytes = _mm256_loadu2_m128i(p.add(high).cast(), p.cast());
+            let mut x = _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(bytes, index), shifts), mask);
+            // Prefix sum: within each half, then the low half's total into
+            // the high half, then the blocks before.
+            x = _mm256_add_epi32(x, _mm256_slli_si256::<4>(x));
+            x = _mm256_add_epi32(x, _mm256_slli_si256::<8>(x));
+            x = _mm256_add_epi32(x, _mm256_blend_epi32::<0xF0>(zero, _mm256_permutevar8x32_epi32(x, lane3)));
+            let sums = _mm256_add_epi32(x, carry);
+            carry = _mm256_permutevar8x32_epi32(sums, lane7);
+            let at_slots = slots.as_mut_ptr().add(8 * b);
+            let zeros = _mm256_loadu_si256(at_slots.cast());
+            let values = _mm256_add_epi32(_mm256_add_epi32(_mm256_sll_epi32(zeros, count), sums), numbers);
+            _mm256_storeu_si256(at_slots.cast(), values);
+            numbers = _mm256_add_epi32(numbers, eight);
+        }
+        (8 * blocks, _mm256_cvtsi256_si32(carry) as u32)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -656,6 +758,45 @@ mod tests {
             }
         }
         r.finish().unwrap();
+    }
+
+    /// The AVX2 low-part kernel (where the CPU has it), finished by the
+    /// scalar loop, adds what the scalar loop adds: every parameter it
+    /// takes, every bit phase, lists that end at the buffer's end.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn low_part_kernel_matches_scalar() {
+        if !avx2::available() {
+            return;
+        }
+        let mut next = super::super::tests::xorshift(0x10b1_7500_0000_0003);
+        let lows: Vec<u8> = (0..300).map(|_| next() as u8).chain([0; 8]).collect();
+        let mut full_blocks = 0;
+        for k in 0..=avx2::MAX_K {
+            for at in 0..17u64 {
+                for len in [0usize, 1, 7, 8, 9, 16, 31, 64, 100, 200, usize::MAX] {
+                    // The longest list that ends inside the 300 bytes.
+                    let len = len.min(((300 * 8 - at) / u64::from(k.max(1))) as usize);
+                    let zeros: Vec<u32> = (0..len)
+                        .scan(0u32, |z, _| {
+                            *z += (next() % 4) as u32;
+                            Some(*z)
+                        })
+                        .collect();
+                    let mut scalar = zeros.clone();
+                    add_low_parts_scalar(&lows, at, k, &mut scalar);
+                    let mut fast = zeros.clone();
+                    #[allow(unsafe_code)]
+                    let (done, sum) = unsafe { avx2::add_low_parts(&lows, at, k, &mut fast) };
+                    assert_eq!(&fast[..done], &scalar[..done], "k {k} at {at} len {len}");
+                    add_low_parts_from(&lows, at, k, &mut fast, done, sum);
+                    assert_eq!(fast, scalar, "k {k} at {at} len {len}");
+                    full_blocks += usize::from(done + 8 > len && len >= 8);
+                }
+            }
+        }
+        // The kernel reached the last block in most lists.
+        assert!(full_blocks > 500, "{full_blocks}");
     }
 
     /// The writer's kernels (where the CPU has them) write what the
