@@ -368,7 +368,7 @@ impl DigestMoves {
 
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
-mod avx2 {
+pub(crate) mod avx2 {
     //! AVX2 kernels: eight 32-bit lanes per instruction.
     use super::{high_keys, DigestSum, INDEX_MUL, LANES, LOW_KEYS};
     use std::arch::x86_64::*;
@@ -437,7 +437,7 @@ mod avx2 {
     /// each lane.
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn moved_at(first: u32, offsets: &[u32], old: &[u32], new: &[u32]) -> DigestSum {
-        let mut acc = [_mm256_setzero_si256(); LANES];
+        let mut acc = zero_moves();
         let n = offsets.len().min(old.len()).min(new.len()) / 8 * 8;
         let base = _mm256_set1_epi32(first as i32);
         let mut i = 0;
@@ -445,16 +445,37 @@ mod avx2 {
             let vi = _mm256_add_epi32(base, _mm256_loadu_si256(offsets.as_ptr().add(i).cast()));
             let vo = _mm256_loadu_si256(old.as_ptr().add(i).cast());
             let vn = _mm256_loadu_si256(new.as_ptr().add(i).cast());
-            for l in 0..LANES {
-                let k = _mm256_add_epi32(
-                    _mm256_mullo_epi32(vi, _mm256_set1_epi32(INDEX_MUL[l] as i32)),
-                    _mm256_set1_epi32(LOW_KEYS[l] as i32),
-                );
-                let d = _mm256_sub_epi32(fmix(_mm256_xor_si256(vn, k)), fmix(_mm256_xor_si256(vo, k)));
-                acc[l] = _mm256_add_epi32(acc[l], d);
-            }
+            add_moves(&mut acc, vi, vo, vn);
             i += 8;
         }
+        moves_sum(&acc)
+    }
+
+    /// A digest move being summed in registers, one vector per lane.
+    pub(crate) type MoveAcc = [__m256i; LANES];
+
+    pub(crate) const fn zero_moves() -> MoveAcc {
+        // Safety: an all-zero bit pattern is a valid __m256i.
+        unsafe { std::mem::zeroed() }
+    }
+
+    /// Add `h(i, new) - h(i, old)` of eight units (unit indices `vi`, all
+    /// below 2^32) to `acc`.
+    #[inline(always)]
+    pub(crate) unsafe fn add_moves(acc: &mut MoveAcc, vi: __m256i, vo: __m256i, vn: __m256i) {
+        for l in 0..LANES {
+            let k = _mm256_add_epi32(
+                _mm256_mullo_epi32(vi, _mm256_set1_epi32(INDEX_MUL[l] as i32)),
+                _mm256_set1_epi32(LOW_KEYS[l] as i32),
+            );
+            let d = _mm256_sub_epi32(fmix(_mm256_xor_si256(vn, k)), fmix(_mm256_xor_si256(vo, k)));
+            acc[l] = _mm256_add_epi32(acc[l], d);
+        }
+    }
+
+    /// The digest move held in `acc`.
+    #[inline(always)]
+    pub(crate) unsafe fn moves_sum(acc: &MoveAcc) -> DigestSum {
         DigestSum(std::array::from_fn(|l| hsum(acc[l])))
     }
 }

@@ -23,6 +23,8 @@ mod bits;
 mod rice;
 mod step_tables;
 #[cfg(target_arch = "x86_64")]
+mod apply_avx2;
+#[cfg(target_arch = "x86_64")]
 mod gather_x86;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -812,6 +814,25 @@ fn apply_sparse<T: Word>(
             }
             return moves.finish();
         }
+    }
+    // Else, where the CPU has AVX2, eight at a time, hashed as they go.
+    #[cfg(target_arch = "x86_64")]
+    if apply_avx2::available() && first_element + positions.last().map_or(0, |&p| u64::from(p)) < 1 << 32 {
+        // Safety: the CPU has AVX2, `w` is 1, 2 or 4, and every unit index
+        // is below 2^32 (the positions ascend, so the last is the largest).
+        #[allow(unsafe_code)]
+        let (moved, done) = unsafe {
+            match w {
+                1 => apply_avx2::apply_sparse::<1>(target, positions, &lanes, xor, first_element as u32),
+                2 => apply_avx2::apply_sparse::<2>(target, positions, &lanes, xor, first_element as u32),
+                _ => apply_avx2::apply_sparse::<4>(target, positions, &lanes, xor, first_element as u32),
+            }
+        };
+        moves.add(moved);
+        for (i, &p) in positions.iter().enumerate().skip(done) {
+            apply_one(target, &mut moves, i, p);
+        }
+        return moves.finish();
     }
     // Else a block at a time: the block's value words are assembled from
     // the planes first (a loop the compiler vectorizes), then written one by

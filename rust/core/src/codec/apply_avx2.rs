@@ -1,0 +1,158 @@
+//! The sparse apply for x86 CPUs with AVX2 but without AVX-512 (where
+//! `gather_x86` does not run): eight changes per step. Their old words are
+//! loaded and their new words stored one by one (a gather is slow on these
+//! CPUs, and a scatter would also write neighbouring words that may belong
+//! to a chunk another thread is writing); in between, their value words
+//! are built from the byte planes and their digest move is hashed in
+//! registers. The apply is bound by the target's cache misses, and hashing
+//! each step's words right after their loads lets that work run while the
+//! next steps' loads are outstanding, where hashing a block of words after
+//! all its loads (the portable loop's way) adds its time to theirs.
+//!
+//! The portable loop in `codec` is the reference the tests hold this to.
+
+#![allow(unsafe_code)]
+
+use std::arch::x86_64::*;
+use std::sync::OnceLock;
+
+use crate::digest::avx2::{add_moves, moves_sum, zero_moves};
+use crate::digest::DigestSum;
+
+/// Whether this CPU runs the kernel.
+pub(super) fn available() -> bool {
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx2"))
+}
+
+/// How many changes ahead the kernel prefetches the words it will load.
+const PREFETCH_AHEAD: usize = 64;
+
+/// Apply the leading changes of a chunk, eight at a time, to `target`
+/// (the chunk's bytes; `first` is its first element in its tensor): the
+/// change at `positions[k]` has the value word (an XOR mask, or the new
+/// bits when `xor` is false) whose byte `j` is `planes[j][k]`. Returns the
+/// digest move of the changes it applied and how many it applied (all
+/// but the last `positions.len() % 8`, the caller's).
+///
+/// # Safety
+/// The CPU has AVX2 (`available`); `W` is 1, 2 or 4; every unit index
+/// `first + positions[k]` is below 2^32. (Positions outside `target` panic,
+/// as the portable loop's do.)
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn apply_sparse<const W: usize>(
+    target: &mut [u8],
+    positions: &[u32],
+    planes: &[&[u8]],
+    xor: bool,
+    first: u32,
+) -> (DigestSum, usize) {
+    debug_assert!(matches!(W, 1 | 2 | 4));
+    let n = positions.len() / 8 * 8;
+    assert!(planes.len() >= W && planes[..W].iter().all(|p| p.len() >= n), "one byte per position in each of the {W} planes");
+    let base = target.as_ptr();
+    let vfirst = _mm256_set1_epi32(first as i32);
+    let mut acc = zero_moves();
+    let (mut old, mut new) = ([0u32; 8], [0u32; 8]);
+    let mut i = 0;
+    while i < n {
+        // The positions are irregular, which the hardware prefetcher does
+        // not follow: ask for the words a few steps ahead.
+        for &p in positions.get(i + PREFETCH_AHEAD..).unwrap_or_default().iter().take(8) {
+            _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(p as usize * W).cast());
+        }
+        let group = &positions[i..i + 8];
+        for (o, &p) in old.iter_mut().zip(group) {
+            let mut word = [0u8; 4];
+            word[..W].copy_from_slice(&target[p as usize * W..][..W]);
+            *o = u32::from_le_bytes(word);
+        }
+        let vo = _mm256_loadu_si256(old.as_ptr().cast());
+        let mut vv = _mm256_setzero_si256();
+        for (j, plane) in planes[..W].iter().enumerate() {
+            // Eight bytes of the plane (`i + 8 <= n <= plane.len()`).
+            let bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(plane.as_ptr().add(i).cast()));
+            vv = _mm256_or_si256(vv, _mm256_sll_epi32(bytes, _mm_cvtsi32_si128(8 * j as i32)));
+        }
+        let vn = if xor { _mm256_xor_si256(vo, vv) } else { vv };
+        _mm256_storeu_si256(new.as_mut_ptr().cast(), vn);
+        for (&v, &p) in new.iter().zip(group) {
+            target[p as usize * W..][..W].copy_from_slice(&v.to_le_bytes()[..W]);
+        }
+        let vp = _mm256_loadu_si256(group.as_ptr().cast());
+        add_moves(&mut acc, _mm256_add_epi32(vfirst, vp), vo, vn);
+        i += 8;
+    }
+    (moves_sum(&acc), n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::tests::xorshift;
+    use crate::digest::DigestMoves;
+
+    /// The kernel, finished by word-by-word stores, writes what the
+    /// word-by-word loop writes and moves the digest as it does, for every
+    /// word width it takes, both change kinds, positions up to the chunk's
+    /// last word, and chunks that start late in their tensor.
+    #[test]
+    fn kernel_matches_word_by_word() {
+        if !available() {
+            return; // nothing of this module runs on this CPU
+        }
+        let mut next = xorshift(0x0a99_1a75_0000_0007);
+        let mut applied = 0;
+        for w in [1usize, 2, 4] {
+            for (n, every) in [(1u32, 1u64), (8, 1), (17, 1), (40, 3), (300, 2), (300, 5), (5000, 30)] {
+                let len = n as usize * w;
+                let old: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+                let mut pos: Vec<u32> = (0..n).filter(|_| next().is_multiple_of(every)).collect();
+                if pos.last() != Some(&(n - 1)) {
+                    pos.push(n - 1);
+                }
+                let first = [0u64, next() % (1 << 30), (1u64 << 32) - u64::from(n)][(next() % 3) as usize];
+                for xor in [true, false] {
+                    let vals: Vec<u32> = pos.iter().map(|_| next() as u32 & ((1u64 << (8 * w)) - 1) as u32).collect();
+                    let word = |bytes: &[u8], p: u32| {
+                        let mut b = [0u8; 4];
+                        b[..w].copy_from_slice(&bytes[p as usize * w..][..w]);
+                        u32::from_le_bytes(b)
+                    };
+                    let (mut want, mut want_moves) = (old.clone(), DigestMoves::new(w));
+                    for (&p, &v) in pos.iter().zip(&vals) {
+                        let o = word(&want, p);
+                        let nw = if xor { o ^ v } else { v };
+                        want[p as usize * w..][..w].copy_from_slice(&nw.to_le_bytes()[..w]);
+                        want_moves.word(first + u64::from(p), u64::from(o), u64::from(nw));
+                    }
+                    let planes: Vec<Vec<u8>> = (0..w).map(|j| vals.iter().map(|v| (v >> (8 * j)) as u8).collect()).collect();
+                    let planes: Vec<&[u8]> = planes.iter().map(|p| &p[..]).collect();
+                    let mut got = old.clone();
+                    // Safety: `available()` was checked above; every unit
+                    // index is below 2^32.
+                    let (moved, done) = unsafe {
+                        match w {
+                            1 => apply_sparse::<1>(&mut got, &pos, &planes, xor, first as u32),
+                            2 => apply_sparse::<2>(&mut got, &pos, &planes, xor, first as u32),
+                            _ => apply_sparse::<4>(&mut got, &pos, &planes, xor, first as u32),
+                        }
+                    };
+                    assert_eq!(done, pos.len() / 8 * 8);
+                    let mut moves = DigestMoves::new(w);
+                    moves.add(moved);
+                    for (k, &p) in pos.iter().enumerate().skip(done) {
+                        let o = word(&got, p);
+                        let nw = if xor { o ^ vals[k] } else { vals[k] };
+                        got[p as usize * w..][..w].copy_from_slice(&nw.to_le_bytes()[..w]);
+                        moves.word(first + u64::from(p), u64::from(o), u64::from(nw));
+                    }
+                    assert_eq!(got, want, "w {w} n {n} xor {xor}");
+                    assert_eq!(moves.finish(), want_moves.finish(), "digest move: w {w} n {n} xor {xor}");
+                    applied += done;
+                }
+            }
+        }
+        assert!(applied > 1000, "{applied}");
+    }
+}
