@@ -77,6 +77,14 @@ def main() -> None:
     with plain_cpu_layout() if plain else contextlib.nullcontext():
         llm = LLM(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
                   max_model_len=128, seed=0)
+    # The linears whose GEMM vLLM's CPU dispatch bound to a repacked copy
+    # of the weight (a closure over it), looked at on the engine itself
+    # before dcr probes it: vLLM repacks only where its CPU kernels run
+    # (oneDNN or its own packed GEMM), and keeps plain `F.linear` elsewhere.
+    repacked = sorted(
+        name for name, module in live_model(llm).named_modules()
+        if getattr(getattr(module, "cpu_linear", None), "__closure__", None)
+    )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in ([1, 2, 3, 4], [7, 9, 11], [200, 5, 17, 33, 2])]
     sp = SamplingParams(temperature=0, max_tokens=8)
 
@@ -98,6 +106,7 @@ def main() -> None:
         "kind": kind,
         "layout": layout,
         "placement": recv.placement.summary(),
+        "repacked": repacked,
         "transforming": sorted(recv.placement.transforming()),
         "shadow_bytes": recv.shadow_bytes,
         "probe_s": probe_s,

@@ -1,7 +1,9 @@
 """Receivers on a live vLLM engine (CPU build), each scenario in its own
 process (``tests/_vllm_refit_check.py``): tiny Llama and Qwen3-MoE with
-random weights, in vLLM's default CPU layout (linear weights repacked: a
-transforming loader) and in the plain layout (``plain_cpu_layout``). After
+random weights, in vLLM's default CPU layout (linear weights repacked, a
+transforming loader, where vLLM's packed CPU GEMMs run on the host; plain
+on others, such as AVX2-only x86) and in the plain layout
+(``plain_cpu_layout``). After
 each of two chained delta refits every parameter and buffer, and greedy
 generations, must equal a dense refit (``reload_weights`` with the full new
 checkpoint) of the same engine."""
@@ -50,6 +52,12 @@ def test_vllm_delta_refit_equals_dense(kind: str, layout: str, tmp_path: Path) -
     r = run(kind, layout, tmp_path)
     tf = r["transforming"]
     if layout == "plain":
+        assert r["repacked"] == [], r["repacked"]
+    # vLLM's default CPU layout repacks the linears where its packed GEMMs
+    # run on this CPU; elsewhere (AVX2-only x86, for one) it keeps them
+    # plain, and the default layout is the plain one.
+    repacked = bool(r["repacked"])
+    if not repacked:
         assert tf == [] and r["shadow_bytes"] == 0
     else:
         # repacked linears (and lm_head/embedding with packed copies) go through reload_weights
@@ -66,4 +74,4 @@ def test_vllm_delta_refit_equals_dense(kind: str, layout: str, tmp_path: Path) -
         assert s["compared"] > 20
         assert s["gen_equal"], (s["gen_delta"], s["gen_dense"])
         assert s["gen_changed"]
-        assert (s["stats"]["reloaded_groups"] > 0) == (layout == "packed")
+        assert (s["stats"]["reloaded_groups"] > 0) == repacked
