@@ -788,46 +788,10 @@ fn apply_sparse<T: Word>(
         }
         return moves.finish();
     }
-    // Words of at most 4 bytes: gathered, hashed and written sixteen at a
-    // time where the CPU has AVX-512 and every load stays in the chunk.
-    // The last few positions of a chunk (a 4-byte load there would leave
-    // it) are written word by word.
+    // Words of at most 4 bytes: a vector kernel where the CPU has one
+    // (`apply_sparse_kernels`), then the rest word by word.
     #[cfg(target_arch = "x86_64")]
-    {
-        let cut = gather_x86::kernel_prefix(positions, w, target.len(), first_element);
-        if cut > 0 {
-            let (head, planes) = (&positions[..cut], lanes.map(|l| &l[..cut.min(l.len())]));
-            // Safety: `kernel_prefix` took only positions that `fits`: the
-            // CPU has the kernel's features, `w` is 1, 2 or 4, and every
-            // load and lane fits.
-            #[allow(unsafe_code)]
-            let moved = unsafe {
-                match w {
-                    1 => gather_x86::apply_sparse::<1>(target, head, &planes, xor, first_element as u32),
-                    2 => gather_x86::apply_sparse::<2>(target, head, &planes, xor, first_element as u32),
-                    _ => gather_x86::apply_sparse::<4>(target, head, &planes, xor, first_element as u32),
-                }
-            };
-            moves.add(moved);
-            for (i, &p) in positions.iter().enumerate().skip(cut) {
-                apply_one(target, &mut moves, i, p);
-            }
-            return moves.finish();
-        }
-    }
-    // Else, where the CPU has AVX2, eight at a time, hashed as they go.
-    #[cfg(target_arch = "x86_64")]
-    if apply_avx2::available() && first_element + positions.last().map_or(0, |&p| u64::from(p)) < 1 << 32 {
-        // Safety: the CPU has AVX2, `w` is 1, 2 or 4, and every unit index
-        // is below 2^32 (the positions ascend, so the last is the largest).
-        #[allow(unsafe_code)]
-        let (moved, done) = unsafe {
-            match w {
-                1 => apply_avx2::apply_sparse::<1>(target, positions, &lanes, xor, first_element as u32),
-                2 => apply_avx2::apply_sparse::<2>(target, positions, &lanes, xor, first_element as u32),
-                _ => apply_avx2::apply_sparse::<4>(target, positions, &lanes, xor, first_element as u32),
-            }
-        };
+    if let Some((moved, done)) = apply_sparse_kernels(target, positions, &lanes, w, xor, first_element) {
         moves.add(moved);
         for (i, &p) in positions.iter().enumerate().skip(done) {
             apply_one(target, &mut moves, i, p);
@@ -863,6 +827,53 @@ fn apply_sparse<T: Word>(
         moves.words_at(first_element, block, &old_words[..len], &new_words[..len]);
     }
     moves.finish()
+}
+
+/// Apply the leading changes of a chunk of words of 1, 2 or 4 bytes (`w`)
+/// with the CPU's vector kernel: gathered, hashed and written sixteen at a
+/// time with AVX-512 where every load stays in the chunk (all but the last
+/// few positions, where a 4-byte load would leave it), else eight at a
+/// time with AVX2, hashed as they go. Returns the digest move and how many
+/// leading changes it applied; `None` where no kernel runs.
+#[cfg(target_arch = "x86_64")]
+fn apply_sparse_kernels(
+    target: &mut [u8],
+    positions: &[u32],
+    lanes: &[&[u8]; 8],
+    w: usize,
+    xor: bool,
+    first_element: u64,
+) -> Option<(DigestSum, usize)> {
+    let cut = gather_x86::kernel_prefix(positions, w, target.len(), first_element);
+    if cut > 0 {
+        let (head, planes) = (&positions[..cut], lanes.map(|l| &l[..cut.min(l.len())]));
+        // Safety: `kernel_prefix` took only positions that `fits`: the CPU
+        // has the kernel's features, `w` is 1, 2 or 4, and every load and
+        // lane fits.
+        #[allow(unsafe_code)]
+        let moved = unsafe {
+            match w {
+                1 => gather_x86::apply_sparse::<1>(target, head, &planes, xor, first_element as u32),
+                2 => gather_x86::apply_sparse::<2>(target, head, &planes, xor, first_element as u32),
+                _ => gather_x86::apply_sparse::<4>(target, head, &planes, xor, first_element as u32),
+            }
+        };
+        return Some((moved, cut));
+    }
+    if !apply_avx2::available() || first_element + positions.last().map_or(0, |&p| u64::from(p)) >= 1 << 32 {
+        return None;
+    }
+    // Safety: the CPU has AVX2, `w` is 1, 2 or 4, and every unit index is
+    // below 2^32 (the positions ascend, so the last is the largest).
+    #[allow(unsafe_code)]
+    let applied = unsafe {
+        match w {
+            1 => apply_avx2::apply_sparse::<1>(target, positions, lanes, xor, first_element as u32),
+            2 => apply_avx2::apply_sparse::<2>(target, positions, lanes, xor, first_element as u32),
+            _ => apply_avx2::apply_sparse::<4>(target, positions, lanes, xor, first_element as u32),
+        }
+    };
+    Some(applied)
 }
 
 /// Positions from the gap streams (a gap of 255 escapes to the overflow
