@@ -718,8 +718,9 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
 /// Both paths first decode each listed bucket's changed ranks into a
 /// bitmap. On x86-64 with AVX2 and a fast BMI2, words of up to 4 bytes with
 /// up to 256 contexts then expand those bitmaps into element order block by
-/// block (`codec::x86`), and with AVX-512 decode table-coded steps sixteen
-/// at a time (`step_tables::avx512`); everything else (8-byte words, other
+/// block (`codec::x86`), and decode table-coded steps sixteen at a time
+/// with AVX-512 (`step_tables::avx512`), eight with AVX2
+/// (`step_tables::avx2`); everything else (8-byte words, other
 /// CPUs) walks the elements and the changes one at a time
 /// (`decode_reference`). Both accept and refuse the same payloads and
 /// return the same changes.
@@ -770,7 +771,8 @@ enum Expansion {
     /// (portable).
     Elements,
     /// 64 or 256 elements at a time (`codec::x86`; AVX2 and fast BMI2),
-    /// and, with AVX-512, table-coded steps sixteen at a time.
+    /// and table-coded steps sixteen at a time with AVX-512, eight with
+    /// AVX2 (`step_tables`).
     #[cfg(target_arch = "x86_64")]
     Blocks,
 }
@@ -1002,6 +1004,25 @@ fn decode_words<T: Word>(
                 #[allow(unsafe_code)]
                 unsafe {
                     use step_tables::avx512::decode_groups;
+                    unchanged |= match w {
+                        1 => decode_groups::<1>(&mut steps, old, group_positions, signs, step_model, xor, group_values),
+                        2 => decode_groups::<2>(&mut steps, old, group_positions, signs, step_model, xor, group_values),
+                        _ => decode_groups::<4>(&mut steps, old, group_positions, signs, step_model, xor, group_values),
+                    };
+                }
+                done = head;
+            }
+        } else if expansion == Expansion::Blocks && step_tables::avx2::available() {
+            let head = step_tables::avx2::kernel_prefix(&positions, w, old.len());
+            if head > 0 {
+                let (step_model, xor) = (model.step_model32(), kind == ChangeKind::Xor);
+                let (group_positions, group_values) = (&positions[..head], &mut values[..head]);
+                // Safety: `kernel_prefix` took only positions whose loads
+                // stay in `old` (and `w` is 1, 2 or 4), and the CPU has
+                // AVX2 (`available`).
+                #[allow(unsafe_code)]
+                unsafe {
+                    use step_tables::avx2::decode_groups;
                     unchanged |= match w {
                         1 => decode_groups::<1>(&mut steps, old, group_positions, signs, step_model, xor, group_values),
                         2 => decode_groups::<2>(&mut steps, old, group_positions, signs, step_model, xor, group_values),
@@ -1274,6 +1295,56 @@ mod tests {
             let expected = super::super::find_changes(&old, &new, 2, kind).unwrap();
             assert_eq!(decode(&payload, &old, &model, m as u32, kind, "t").unwrap(), expected);
             assert_eq!(decode_reference(&payload, &old, &model, m as u32, kind, "t").unwrap(), expected);
+        }
+    }
+
+    /// Table-coded steps decoded by the vector kernels (sixteen or eight
+    /// changes at a time) equal the scalar steps of the reference decoder,
+    /// for every word width the kernels take, floats and integers, steps of
+    /// one ulp to steps that carry many raw bits, across zero and the
+    /// words' ends, and chunks whose last words the kernels leave to the
+    /// scalar loop.
+    #[test]
+    fn vector_step_decoding_matches_the_scalar_steps() {
+        let mut next = super::super::tests::xorshift(0x9e37_79b9_7f4a_7c15);
+        for dtype in [Dtype::F8_E4M3, Dtype::U8, Dtype::BF16, Dtype::F16, Dtype::I16, Dtype::F32, Dtype::I32] {
+            let dtype = DType(dtype);
+            let (model, w) = (ContextModel::for_dtype(dtype), dtype.word_bytes());
+            let word_mask = if w == 8 { u64::MAX } else { (1u64 << (8 * w)) - 1 };
+            for n in [9_000usize, 30_011] {
+                let (mut old, mut new) = (Vec::with_capacity(n * w), Vec::with_capacity(n * w));
+                for i in 0..n {
+                    let r = next();
+                    // Exponents from a few busy contexts and a long tail.
+                    let o = if r.is_multiple_of(4) { r >> 8 } else { (r >> 8) & !(model.mask << model.shift) | ((100 + r % 5) << model.shift) } & word_mask;
+                    let x = next();
+                    let v = if !x.is_multiple_of(3) && i + 1 != n {
+                        o
+                    } else {
+                        // Steps of 1 to 2^24 ulps, up or down.
+                        let size = 1 + (x >> 8) % (1 << ((x >> 40) % 25));
+                        let ord = model.ordinal(o);
+                        let moved = if x & (1 << 50) != 0 { ord.wrapping_add(size) } else { ord.wrapping_sub(size) } & word_mask;
+                        model.ordinal(moved)
+                    };
+                    let v = if v == o { o ^ 1 } else { v };
+                    old.extend_from_slice(&o.to_le_bytes()[..w]);
+                    new.extend_from_slice(&v.to_le_bytes()[..w]);
+                }
+                let found = super::super::find_changes(&old, &new, w, ChangeKind::Xor).unwrap();
+                let m = found.positions.len();
+                #[cfg(target_arch = "x86_64")]
+                if step_tables::avx2::available() {
+                    let head = step_tables::avx2::kernel_prefix(&found.positions, w, old.len());
+                    assert!(head > 0 && head < m, "{dtype:?}: the kernel takes {head} of {m} changes");
+                }
+                let payload = encode_with(&old, &new, &found, &model, 1, StepCoding::Tables);
+                for kind in [ChangeKind::Xor, ChangeKind::Overwrite] {
+                    let expected = super::super::find_changes(&old, &new, w, kind).unwrap();
+                    assert_eq!(decode(&payload, &old, &model, m as u32, kind, "t").unwrap(), expected, "{dtype:?}, {n}, {kind:?}");
+                    assert_eq!(decode_reference(&payload, &old, &model, m as u32, kind, "t").unwrap(), expected, "{dtype:?}, {n}, {kind:?}");
+                }
+            }
         }
     }
 

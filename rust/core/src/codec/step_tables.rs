@@ -4,7 +4,8 @@
 //! rANS states. Decoding a step is then a table lookup and a multiply on
 //! one of sixteen independent chains, where the adaptive range coder takes
 //! two or more binary decisions, each waiting on the one before; with
-//! AVX-512 the sixteen are decoded together (`avx512`).
+//! AVX-512 the sixteen are decoded together (`avx512`), and with AVX2 eight
+//! (`avx2`).
 //!
 //! - **Classes.** A magnitude `v = |step| - 1` below 2 is its own class.
 //!   Above, the class is `2 * (nb - 1) + b`: `nb` is the bit length of `v`
@@ -49,6 +50,26 @@ const MAX_COUNT_BITS: u32 = 33;
 /// Step classes of `width`-byte words.
 fn classes(width: usize) -> usize {
     16 * width
+}
+
+/// Zero bytes after the slot classes (for 4-byte gathers of the last).
+const SLOT_CLASS_PADDING: usize = 3;
+
+/// Classes of a table, as bits of an index: words of 8 bytes have 128.
+const CLASS_BITS: u32 = 7;
+const _: () = assert!(16 * 8 <= 1 << CLASS_BITS);
+
+/// Whether the decoder builds the one-gather slot entries of the AVX-512
+/// kernel.
+fn wide_slots_wanted() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx512::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
 }
 
 /// The class of magnitude `v` and how many raw bits follow it.
@@ -371,9 +392,17 @@ pub(super) fn sections<'a>(payload: &'a [u8], pos: &mut usize, context: &str) ->
 pub(super) struct Decoder {
     /// Per context, its table.
     table_of: Vec<u16>,
-    /// Per table, what each of its `SCALE` slots decodes to: the class
-    /// (top 8 bits), the slot's offset from the class's start (12 bits)
-    /// and the class's frequency less one (low 12 bits).
+    /// Per table, the class each of its `SCALE` slots decodes to: one byte
+    /// a slot, so that the busy tables of a chunk (up to 65, 4 KiB each)
+    /// stay in the core's L2 cache.
+    slot_class: Vec<u8>,
+    /// Per table and class (`table << CLASS_BITS | class`), the class's
+    /// first slot (bits 12-23) and its frequency less one (low 12 bits).
+    class_entry: Vec<u32>,
+    /// For the AVX-512 kernel only (empty elsewhere): per table, each
+    /// slot's class (top 8 bits), its offset from the class's first slot
+    /// (12 bits) and the class's frequency less one (low 12 bits), so that
+    /// one gather finds all three.
     slots: Vec<u32>,
     states: [u32; LANES],
     /// The rANS words, then `WORDS_PADDING` zero bytes (read, never used:
@@ -448,7 +477,10 @@ impl Decoder {
         let mut counts = vec![0u64; nclass];
         let mut freqs = vec![0u32; nclass];
         // Every slot of every table is written below, in order: no zeroing.
-        let mut slots = Vec::with_capacity(ntables << SCALE_BITS);
+        let mut slot_class = Vec::with_capacity(ntables << SCALE_BITS);
+        let mut class_entry = vec![0u32; ntables << CLASS_BITS];
+        let wide_slots = wide_slots_wanted();
+        let mut slots = Vec::with_capacity(if wide_slots { ntables << SCALE_BITS } else { 0 });
         let mut next = 0usize;
         for t in 0..ntables {
             if t < own {
@@ -474,11 +506,19 @@ impl Decoder {
                 // a table of class 0 alone.
                 freqs[0] = SCALE;
             }
-            for (class, &f) in freqs.iter().enumerate() {
-                slots.extend((0..f).map(|offset| (class as u32) << 24 | offset << 12 | (f - 1)));
+            let mut first = 0u32;
+            for (class, &f) in freqs.iter().enumerate().filter(|(_, &f)| f > 0) {
+                slot_class.extend(std::iter::repeat_n(class as u8, f as usize));
+                class_entry[t << CLASS_BITS | class] = first << 12 | (f - 1);
+                if wide_slots {
+                    slots.extend((0..f).map(|offset| (class as u32) << 24 | offset << 12 | (f - 1)));
+                }
+                first += f;
             }
-            debug_assert_eq!(slots.len(), (t + 1) << SCALE_BITS);
+            debug_assert_eq!(slot_class.len(), (t + 1) << SCALE_BITS);
         }
+        // Read by the 4-byte gathers of `avx2`, never used.
+        slot_class.extend_from_slice(&[0; SLOT_CLASS_PADDING]);
         if r.unread_bits() >= 8 {
             return Err(bad("bytes left after the last table"));
         }
@@ -490,7 +530,7 @@ impl Decoder {
         let mut words = Vec::with_capacity(stream.len() + WORDS_PADDING);
         words.extend_from_slice(stream);
         words.extend_from_slice(&[0; WORDS_PADDING]);
-        Ok(Decoder { table_of, slots, states, words, words_len: stream.len(), pos: 0, raw: RawBits::new(sections.raw) })
+        Ok(Decoder { table_of, slot_class, class_entry, slots, states, words, words_len: stream.len(), pos: 0, raw: RawBits::new(sections.raw) })
     }
 
     /// The magnitudes of the next four changes, in contexts `ctx`, coded
@@ -529,11 +569,13 @@ impl Decoder {
         let t = usize::from(self.table_of[ctx]);
         let x = self.states[lane];
         let slot = x & (SCALE - 1);
-        // SAFETY: `new` built `table_of` with tables below `ntables` and
-        // `slots` with `ntables << SCALE_BITS` entries; `slot < SCALE`.
-        let entry = unsafe { *self.slots.get_unchecked(t << SCALE_BITS | slot as usize) };
-        let class = (entry >> 24) as usize;
-        let x = ((entry & 0xfff) + 1) * (x >> SCALE_BITS) + (entry >> 12 & 0xfff);
+        // SAFETY: `new` built `table_of` with tables below `ntables`,
+        // `slot_class` with `ntables << SCALE_BITS` entries and
+        // `class_entry` with `ntables << CLASS_BITS`; `slot < SCALE` and
+        // every class is below `classes(width) <= 1 << CLASS_BITS`.
+        let class = usize::from(unsafe { *self.slot_class.get_unchecked(t << SCALE_BITS | slot as usize) });
+        let entry = unsafe { *self.class_entry.get_unchecked(t << CLASS_BITS | class) };
+        let x = ((entry & 0xfff) + 1) * (x >> SCALE_BITS) + slot - (entry >> 12);
         // Renormalise without a branch: shift in the next word when the
         // state fell below its range.
         let at = (*pos).min(self.words_len);
@@ -578,7 +620,7 @@ pub(super) mod avx512 {
 
     use std::sync::OnceLock;
 
-    use super::{class_of, Decoder, LANES, SCALE, SCALE_BITS, STATE_LOW};
+    use super::{class_of, Decoder, LANES, SCALE, SCALE_BITS, SLOT_CLASS_PADDING, STATE_LOW};
     use crate::codec::bits::BitWriter;
     use crate::codec::gather_x86::{self, gather_words, store_widened, HighWords, StepModel32};
 
@@ -682,6 +724,7 @@ pub(super) mod avx512 {
             n.is_multiple_of(LANES) && values.len() == n && signs.len() * 8 >= n && steps.table_of.len() > model.mask as usize,
             "whole groups, one value and one sign per change, a table for every context"
         );
+        assert_eq!(steps.slots.len() + SLOT_CLASS_PADDING, steps.slot_class.len(), "the decoder built the wide slot entries");
         // Each context's table, as the first of its slots.
         let table_of: Vec<u32> = steps.table_of.iter().map(|&t| u32::from(t) << SCALE_BITS).collect();
         let raw = &steps.raw.bytes[..];
@@ -744,6 +787,195 @@ pub(super) mod avx512 {
         steps.pos = pos;
         steps.raw.bit = bit;
         unchanged != 0
+    }
+}
+
+/// AVX2 decoding of table-coded steps, for x86 CPUs without AVX-512:
+/// eight changes per step, one per rANS state (each group of sixteen in
+/// two halves). Each change's old word, table, slot class and class entry
+/// are gathered; the renormalisations take the next words through a
+/// permutation looked up by the mask of the states that fell low; the raw
+/// bits come from a prefix sum of their lengths and two 64-bit gathers.
+/// `Decoder::step` is the reference the tests hold it to.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+pub(super) mod avx2 {
+    use std::arch::x86_64::*;
+    use std::sync::OnceLock;
+
+    use super::{Decoder, CLASS_BITS, LANES, SCALE, SCALE_BITS, STATE_LOW};
+
+    // A state fell low when its top sixteen bits are zero.
+    const _: () = assert!(STATE_LOW == 1 << 16);
+    use crate::codec::gather_x86::StepModel32;
+
+    /// Whether this CPU runs `decode_groups`.
+    pub(in crate::codec) fn available() -> bool {
+        static AVAILABLE: OnceLock<bool> = OnceLock::new();
+        *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx2"))
+    }
+
+    /// How many of the leading `positions` (ascending) `decode_groups`
+    /// takes for a chunk of `len` bytes of `width`-byte words: whole groups
+    /// of sixteen whose 4-byte loads stay inside the chunk, at positions
+    /// that are valid signed 32-bit gather indices.
+    pub(in crate::codec) fn kernel_prefix(positions: &[u32], width: usize, len: usize) -> usize {
+        if width > 4 {
+            return 0;
+        }
+        let fit = positions.partition_point(|&p| p < 1 << 31 && p as usize * width + 4 <= len);
+        fit / LANES * LANES
+    }
+
+    /// For each mask of eight lanes, lane `k`'s source among the next
+    /// words (a nibble each): the rank of bit `k` among the mask's set
+    /// bits. Lanes outside the mask are not used.
+    const EXPAND: [u32; 256] = {
+        let mut table = [0u32; 256];
+        let mut mask = 0;
+        while mask < 256 {
+            let (mut lane, mut rank, mut packed) = (0, 0u32, 0u32);
+            while lane < 8 {
+                if mask >> lane & 1 == 1 {
+                    packed |= rank << (4 * lane);
+                    rank += 1;
+                }
+                lane += 1;
+            }
+            table[mask] = packed;
+            mask += 1;
+        }
+        table
+    };
+
+    /// Changes per block of `decode_groups` (a whole number of groups).
+    const BLOCK: usize = 256;
+    const _: () = assert!(BLOCK.is_multiple_of(LANES));
+
+    /// Decode the steps of the changes at `positions` as
+    /// `super::avx512::decode_groups` does, eight lanes at a time.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 (`available()`); `W` is 1, 2 or 4; `positions`
+    /// is a `kernel_prefix` of a chunk's positions for `old` and `W`.
+    #[target_feature(enable = "avx2")]
+    pub(in crate::codec) unsafe fn decode_groups<const W: i32>(
+        steps: &mut Decoder,
+        old: &[u8],
+        positions: &[u32],
+        signs: &[u8],
+        model: StepModel32,
+        xor: bool,
+        values: &mut [u64],
+    ) -> bool {
+        let n = positions.len();
+        assert!(
+            n.is_multiple_of(LANES) && values.len() == n && signs.len() * 8 >= n && steps.table_of.len() > model.mask as usize,
+            "whole groups, one value and one sign per change, a table for every context"
+        );
+        assert!(
+            positions.last().is_none_or(|&p| p < 1 << 31 && p as usize * W as usize + 4 <= old.len()),
+            "every 4-byte load inside the chunk"
+        );
+        let table_of: Vec<u32> = steps.table_of.iter().map(|&t| u32::from(t)).collect();
+        let raw = &steps.raw.bytes[..];
+        // Bit offsets in 32-bit lanes, clamped as in `avx512`.
+        let raw_end = (8 * raw.len()).min(1 << 30);
+        let last_raw_byte = _mm256_set1_epi32((raw.len() - 8) as i32);
+        let up = _mm_cvtsi32_si128(32 - 8 * W);
+        let below_sign = (i32::MAX >> (32 - 8 * W)) << (32 - 8 * W);
+        let flip = _mm256_set1_epi32(if model.float { below_sign } else { 0 });
+        let ordinal = |high: __m256i| _mm256_xor_si256(high, _mm256_and_si256(_mm256_srai_epi32::<31>(high), flip));
+        let word_mask = _mm256_set1_epi32(if W == 4 { -1 } else { (1 << (8 * W)) - 1 });
+        let shift = _mm_cvtsi32_si128(model.shift as i32);
+        let context_mask = _mm256_set1_epi32(model.mask as i32);
+        let (zero, ones, twos) = (_mm256_setzero_si256(), _mm256_set1_epi32(1), _mm256_set1_epi32(2));
+        let low12 = _mm256_set1_epi32((SCALE - 1) as i32);
+        let nibbles = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        let sign_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+        let lane3 = _mm256_set1_epi32(3);
+        let mut states = [_mm256_loadu_si256(steps.states.as_ptr().cast()), _mm256_loadu_si256(steps.states.as_ptr().add(8).cast())];
+        let (mut pos, mut bit) = (steps.pos, steps.raw.bit);
+        let mut unchanged = zero;
+        // Per block of changes, first their old words and tables (loads
+        // that do not wait on the states, so that many are in flight),
+        // then the states' chains.
+        let (mut olds, mut tables) = ([0u32; BLOCK], [0u32; BLOCK]);
+        for (b, block) in positions.chunks(BLOCK).enumerate() {
+            for (k, half) in block.chunks_exact(8).enumerate() {
+                let vp = _mm256_loadu_si256(half.as_ptr().cast());
+                let vo = _mm256_and_si256(_mm256_i32gather_epi32::<W>(old.as_ptr().cast(), vp), word_mask);
+                let context = _mm256_and_si256(_mm256_srl_epi32(vo, shift), context_mask);
+                _mm256_storeu_si256(olds.as_mut_ptr().add(8 * k).cast(), vo);
+                _mm256_storeu_si256(tables.as_mut_ptr().add(8 * k).cast(), _mm256_i32gather_epi32::<4>(table_of.as_ptr().cast(), context));
+            }
+            for (k, out) in values[b * BLOCK..][..block.len()].chunks_exact_mut(8).enumerate() {
+                let h = b * (BLOCK / 8) + k;
+                let x = states[h % 2];
+                let vo = _mm256_loadu_si256(olds.as_ptr().add(8 * k).cast());
+                let table = _mm256_loadu_si256(tables.as_ptr().add(8 * k).cast());
+                let slot = _mm256_and_si256(x, low12);
+                let class_at = _mm256_or_si256(_mm256_slli_epi32::<{ SCALE_BITS as i32 }>(table), slot);
+                let class = _mm256_and_si256(_mm256_i32gather_epi32::<1>(steps.slot_class.as_ptr().cast(), class_at), _mm256_set1_epi32(0xFF));
+                let entry_at = _mm256_or_si256(_mm256_slli_epi32::<{ CLASS_BITS as i32 }>(table), class);
+                let entry = _mm256_i32gather_epi32::<4>(steps.class_entry.as_ptr().cast(), entry_at);
+                let frequency = _mm256_add_epi32(_mm256_and_si256(entry, low12), ones);
+                let x = _mm256_add_epi32(_mm256_mullo_epi32(frequency, _mm256_srli_epi32::<{ SCALE_BITS as i32 }>(x)), _mm256_sub_epi32(slot, _mm256_srli_epi32::<12>(entry)));
+                // Renormalise: the states that fell low take the next words,
+                // in lane order.
+                let low = _mm256_cmpeq_epi32(_mm256_srli_epi32::<16>(x), zero);
+                let low_mask = _mm256_movemask_ps(_mm256_castsi256_ps(low)) as usize;
+                let at = pos.min(steps.words_len);
+                // Safety: `words` holds `words_len` bytes and 32 of padding.
+                let next = _mm256_cvtepu16_epi32(_mm_loadu_si128(steps.words.as_ptr().add(at).cast()));
+                let source = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(EXPAND[low_mask] as i32), nibbles), _mm256_set1_epi32(7));
+                let shifted_in = _mm256_or_si256(_mm256_slli_epi32::<16>(x), _mm256_permutevar8x32_epi32(next, source));
+                states[h % 2] = _mm256_blendv_epi8(x, shifted_in, low);
+                pos += 2 * low_mask.count_ones() as usize;
+                // The raw bits below the classes that have them.
+                let raw_lengths = _mm256_max_epi32(_mm256_sub_epi32(_mm256_srli_epi32::<1>(class), ones), zero);
+                let mut below = zero;
+                if _mm256_testz_si256(raw_lengths, raw_lengths) == 0 {
+                    let mut sums = _mm256_add_epi32(raw_lengths, _mm256_slli_si256::<4>(raw_lengths));
+                    sums = _mm256_add_epi32(sums, _mm256_slli_si256::<8>(sums));
+                    sums = _mm256_add_epi32(sums, _mm256_blend_epi32::<0xF0>(zero, _mm256_permutevar8x32_epi32(sums, lane3)));
+                    let base = bit.min(raw_end) as i32;
+                    let at = _mm256_add_epi32(_mm256_set1_epi32(base), _mm256_sub_epi32(sums, raw_lengths));
+                    let bytes = _mm256_min_epu32(_mm256_srli_epi32::<3>(at), last_raw_byte);
+                    let bit_shift = _mm256_and_si256(at, _mm256_set1_epi32(7));
+                    let take = |k: usize| {
+                        let pick = |v: __m256i| if k == 0 { _mm256_castsi256_si128(v) } else { _mm256_extracti128_si256::<1>(v) };
+                        let words = _mm256_i32gather_epi64::<1>(raw.as_ptr().cast(), pick(bytes));
+                        let one = _mm256_set1_epi64x(1);
+                        let mask = _mm256_sub_epi64(_mm256_sllv_epi64(one, _mm256_cvtepu32_epi64(pick(raw_lengths))), one);
+                        let bits = _mm256_and_si256(_mm256_srlv_epi64(words, _mm256_cvtepu32_epi64(pick(bit_shift))), mask);
+                        // The low halves of the four 64-bit lanes.
+                        _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(bits, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6)))
+                    };
+                    below = _mm256_set_m128i(take(1), take(0));
+                    let total = _mm256_extract_epi32::<7>(sums);
+                    bit += total as usize;
+                }
+                // The magnitude: the class itself below 2, else its top two
+                // bits shifted over the raw ones (`super::magnitude`).
+                let top = _mm256_sllv_epi32(_mm256_or_si256(twos, _mm256_and_si256(class, ones)), _mm256_sub_epi32(_mm256_srli_epi32::<1>(class), ones));
+                let magnitude = _mm256_blendv_epi8(_mm256_or_si256(top, below), class, _mm256_cmpgt_epi32(twos, class));
+                let negative = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(i32::from(signs[h])), sign_bits), sign_bits);
+                let size = _mm256_add_epi32(magnitude, ones);
+                let step = _mm256_sub_epi32(_mm256_xor_si256(size, negative), negative);
+                let moved = ordinal(_mm256_add_epi32(ordinal(_mm256_sll_epi32(vo, up)), _mm256_sll_epi32(step, up)));
+                let new = _mm256_srl_epi32(moved, up);
+                unchanged = _mm256_or_si256(unchanged, _mm256_cmpeq_epi32(new, vo));
+                let value = if xor { _mm256_xor_si256(vo, new) } else { new };
+                _mm256_storeu_si256(out.as_mut_ptr().cast(), _mm256_cvtepu32_epi64(_mm256_castsi256_si128(value)));
+                _mm256_storeu_si256(out.as_mut_ptr().add(4).cast(), _mm256_cvtepu32_epi64(_mm256_extracti128_si256::<1>(value)));
+            }
+        }
+        _mm256_storeu_si256(steps.states.as_mut_ptr().cast(), states[0]);
+        _mm256_storeu_si256(steps.states.as_mut_ptr().add(8).cast(), states[1]);
+        steps.pos = pos;
+        steps.raw.bit = bit;
+        _mm256_testz_si256(unchanged, unchanged) == 0
     }
 }
 
