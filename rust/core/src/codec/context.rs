@@ -77,6 +77,11 @@ impl ContextModel {
         self.mask as usize + 1
     }
 
+    /// Whether words are sign-magnitude floating point.
+    pub(super) fn is_float(&self) -> bool {
+        self.float
+    }
+
     /// What the AVX-512 kernels need of the model (words of at most 4
     /// bytes).
     #[cfg(target_arch = "x86_64")]
@@ -450,6 +455,22 @@ fn survey<T: Word>(old: &[u8], new: &[u8], positions: &[u32], model: &ContextMod
                     1 => survey_steps::<1>(old, new, &positions[..head], model.step_model32(), contexts, magnitudes, signs),
                     2 => survey_steps::<2>(old, new, &positions[..head], model.step_model32(), contexts, magnitudes, signs),
                     _ => survey_steps::<4>(old, new, &positions[..head], model.step_model32(), contexts, magnitudes, signs),
+                }
+            }
+            done = head;
+        } else if super::x86::survey_available() {
+            let head = super::x86::survey_prefix(positions, T::BYTES, old.len());
+            let (contexts, magnitudes, signs) = (&mut out.contexts[..head], &mut out.magnitudes[..head], &mut out.signs[..head / 16]);
+            // Safety: `survey_prefix` took only positions whose loads stay
+            // in the chunk (and T::BYTES is 1, 2 or 4 when it took any);
+            // the CPU has AVX2 (`survey_available`).
+            #[allow(unsafe_code)]
+            unsafe {
+                match T::BYTES {
+                    1 => super::x86::survey_steps::<1>(old, new, &positions[..head], model, contexts, magnitudes, signs),
+                    2 => super::x86::survey_steps::<2>(old, new, &positions[..head], model, contexts, magnitudes, signs),
+                    4 => super::x86::survey_steps::<4>(old, new, &positions[..head], model, contexts, magnitudes, signs),
+                    _ => {}
                 }
             }
             done = head;

@@ -822,3 +822,85 @@ unsafe fn gaps_avx2<T: Word>(old: &[u8], walk: &Walk, positions: &[u32], walker:
     }
     assert_eq!(next, positions.len(), "changed positions ascend and lie inside the chunk");
 }
+
+/// Whether this CPU runs `survey_steps` (AVX2; no `pdep`).
+pub(super) fn survey_available() -> bool {
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx2"))
+}
+
+/// How many of the leading `positions` (ascending) of a chunk of `len`
+/// bytes of `width`-byte words `survey_steps` takes: whole groups of
+/// sixteen whose 4-byte loads stay inside the chunk, at positions that
+/// are valid signed 32-bit gather indices.
+pub(super) fn survey_prefix(positions: &[u32], width: usize, len: usize) -> usize {
+    if width > 4 {
+        return 0;
+    }
+    positions.partition_point(|&p| p < 1 << 31 && p as usize * width + 4 <= len) / 16 * 16
+}
+
+/// The context encoder's survey of its changes where the CPU has AVX2 but
+/// not AVX-512 (`gather_x86::survey_steps` is the AVX-512 twin, and
+/// `context::survey_from` the portable loop the tests hold both to): for
+/// the change at `positions[j]`, its context (`contexts[j]`), its ulp step
+/// from `old` to `new` (`magnitudes[j]`: the step's magnitude less one;
+/// the sign: bit `j % 16` of `signs[j / 16]`, set when negative). Eight
+/// changes per step, their old and new words gathered, the step made
+/// between the ordinals in the high bits of 32-bit lanes.
+///
+/// # Safety
+/// The CPU has AVX2 (`survey_available`); `W` is 1, 2 or 4; `positions`
+/// is a `survey_prefix` of a chunk's positions for `old` and `W`.
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn survey_steps<const W: i32>(
+    old: &[u8],
+    new: &[u8],
+    positions: &[u32],
+    model: &ContextModel,
+    contexts: &mut [u16],
+    magnitudes: &mut [u64],
+    signs: &mut [u16],
+) {
+    let n = positions.len();
+    assert!(
+        n.is_multiple_of(16) && old.len() == new.len() && contexts.len() == n && magnitudes.len() == n && signs.len() == n / 16,
+        "whole groups, old and new of one length, one output per position"
+    );
+    assert!(
+        positions.last().is_none_or(|&p| p < 1 << 31 && p as usize * W as usize + 4 <= old.len()),
+        "every 4-byte load inside the chunk"
+    );
+    let up = _mm_cvtsi32_si128(32 - 8 * W);
+    let below_sign = (i32::MAX >> (32 - 8 * W)) << (32 - 8 * W);
+    let flip = _mm256_set1_epi32(if model.is_float() { below_sign } else { 0 });
+    let ordinal = |high: __m256i| _mm256_xor_si256(high, _mm256_and_si256(_mm256_srai_epi32::<31>(high), flip));
+    let word_mask = _mm256_set1_epi32(if W == 4 { -1 } else { (1 << (8 * W)) - 1 });
+    let shift = _mm_cvtsi32_si128(model.shift as i32);
+    let context_mask = _mm256_set1_epi32(model.mask as i32);
+    let ones = _mm256_set1_epi32(1);
+    for (g, group) in positions.chunks_exact(16).enumerate() {
+        let mut negative = 0u16;
+        for half in 0..2 {
+            let i = 16 * g + 8 * half;
+            let vp = _mm256_loadu_si256(group.as_ptr().add(8 * half).cast());
+            let vo = _mm256_and_si256(_mm256_i32gather_epi32::<W>(old.as_ptr().cast(), vp), word_mask);
+            let vn = _mm256_and_si256(_mm256_i32gather_epi32::<W>(new.as_ptr().cast(), vp), word_mask);
+            // The step between the ordinals, made in the high bits and
+            // shifted back down with its sign.
+            let step = _mm256_sra_epi32(_mm256_sub_epi32(ordinal(_mm256_sll_epi32(vn, up)), ordinal(_mm256_sll_epi32(vo, up))), up);
+            negative |= (_mm256_movemask_ps(_mm256_castsi256_ps(step)) as u16) << (8 * half);
+            let magnitude = _mm256_sub_epi32(_mm256_abs_epi32(step), ones);
+            let context = _mm256_and_si256(_mm256_srl_epi32(vo, shift), context_mask);
+            // Contexts fit 16 bits: pack them (lanes 0-3 and 4-7 land in
+            // the two halves' low quarters).
+            let packed = _mm256_packus_epi32(context, context);
+            let packed = _mm256_permute4x64_epi64::<0b00_00_10_00>(packed);
+            _mm_storeu_si128(contexts.as_mut_ptr().add(i).cast(), _mm256_castsi256_si128(packed));
+            _mm256_storeu_si256(magnitudes.as_mut_ptr().add(i).cast(), _mm256_cvtepu32_epi64(_mm256_castsi256_si128(magnitude)));
+            _mm256_storeu_si256(magnitudes.as_mut_ptr().add(i + 4).cast(), _mm256_cvtepu32_epi64(_mm256_extracti128_si256::<1>(magnitude)));
+        }
+        signs[g] = negative;
+    }
+}
