@@ -169,7 +169,7 @@ const _: () = assert!(MAX_BOUNDS <= 0x0f);
 const MAX_BUCKETS_WITH_CHANGES: usize = 5;
 
 impl Buckets {
-    fn new(bounds: Vec<usize>, contexts: usize) -> Self {
+    pub(super) fn new(bounds: Vec<usize>, contexts: usize) -> Self {
         debug_assert!(bounds.len() <= MAX_BOUNDS && bounds.windows(2).all(|b| b[0] < b[1]));
         let mut of = vec![0u8; contexts];
         for (bucket, &from) in bounds.iter().enumerate() {
