@@ -14,16 +14,9 @@
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::*;
-use std::sync::OnceLock;
 
 use crate::digest::avx2::{add_moves, moves_sum, zero_moves};
 use crate::digest::DigestSum;
-
-/// Whether this CPU runs the kernel.
-pub(super) fn available() -> bool {
-    static AVAILABLE: OnceLock<bool> = OnceLock::new();
-    *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx2"))
-}
 
 /// How many changes ahead the kernel prefetches the words it will load.
 const PREFETCH_AHEAD: usize = 64;
@@ -36,7 +29,7 @@ const PREFETCH_AHEAD: usize = 64;
 /// but the last `positions.len() % 8`, the caller's).
 ///
 /// # Safety
-/// The CPU has AVX2 (`available`); `W` is 1, 2 or 4; every unit index
+/// The CPU has AVX2 (`codec::avx2_available`); `W` is 1, 2 or 4; every unit index
 /// `first + positions[k]` is below 2^32. (Positions outside `target` panic,
 /// as the portable loop's do.)
 #[target_feature(enable = "avx2")]
@@ -98,7 +91,7 @@ mod tests {
     /// last word, and chunks that start late in their tensor.
     #[test]
     fn kernel_matches_word_by_word() {
-        if !available() {
+        if !crate::codec::avx2_available() {
             return; // nothing of this module runs on this CPU
         }
         let mut next = xorshift(0x0a99_1a75_0000_0007);

@@ -77,11 +77,6 @@ impl ContextModel {
         self.mask as usize + 1
     }
 
-    /// Whether words are sign-magnitude floating point.
-    pub(super) fn is_float(&self) -> bool {
-        self.float
-    }
-
     /// What the AVX-512 kernels need of the model (words of at most 4
     /// bytes).
     #[cfg(target_arch = "x86_64")]
@@ -441,38 +436,33 @@ struct Survey {
 fn survey<T: Word>(old: &[u8], new: &[u8], positions: &[u32], model: &ContextModel) -> Survey {
     let mut out = Survey::zeroed(positions.len());
     let mut done = 0;
+    // The widest vector kernel this CPU runs takes the leading changes.
     #[cfg(target_arch = "x86_64")]
     {
-        use super::gather_x86::{kernel_prefix, survey_steps};
-        let head = kernel_prefix(positions, T::BYTES, old.len(), 0);
-        if head > 0 {
+        use super::{gather_x86, x86};
+        type Kernel = unsafe fn(&[u8], &[u8], &[u32], gather_x86::StepModel32, &mut [u16], &mut [u64], &mut [u16]);
+        let chosen: Option<(usize, [Kernel; 3])> = if gather_x86::available() {
+            let kernels: [Kernel; 3] = [gather_x86::survey_steps::<1>, gather_x86::survey_steps::<2>, gather_x86::survey_steps::<4>];
+            Some((gather_x86::kernel_prefix(positions, T::BYTES, old.len(), 0), kernels))
+        } else if super::avx2_available() {
+            Some((x86::survey_prefix(positions, T::BYTES, old.len()), [x86::survey_steps::<1>, x86::survey_steps::<2>, x86::survey_steps::<4>]))
+        } else {
+            None
+        };
+        if let Some((head, kernels)) = chosen.filter(|c| c.0 > 0) {
             let (contexts, magnitudes, signs) = (&mut out.contexts[..head], &mut out.magnitudes[..head], &mut out.signs[..head.div_ceil(16)]);
-            // Safety: `kernel_prefix` took only positions that `fits`,
-            // which also means T::BYTES is 1, 2 or 4.
+            let kernel = kernels[match T::BYTES {
+                1 => 0,
+                2 => 1,
+                _ => 2,
+            }];
+            // Safety: each `*_prefix` takes only positions whose loads stay
+            // in the chunk (so T::BYTES is 1, 2 or 4), and the CPU has what
+            // the kernel needs (checked just above).
             #[allow(unsafe_code)]
             unsafe {
-                match T::BYTES {
-                    1 => survey_steps::<1>(old, new, &positions[..head], model.step_model32(), contexts, magnitudes, signs),
-                    2 => survey_steps::<2>(old, new, &positions[..head], model.step_model32(), contexts, magnitudes, signs),
-                    _ => survey_steps::<4>(old, new, &positions[..head], model.step_model32(), contexts, magnitudes, signs),
-                }
-            }
-            done = head;
-        } else if super::x86::survey_available() {
-            let head = super::x86::survey_prefix(positions, T::BYTES, old.len());
-            let (contexts, magnitudes, signs) = (&mut out.contexts[..head], &mut out.magnitudes[..head], &mut out.signs[..head / 16]);
-            // Safety: `survey_prefix` took only positions whose loads stay
-            // in the chunk (and T::BYTES is 1, 2 or 4 when it took any);
-            // the CPU has AVX2 (`survey_available`).
-            #[allow(unsafe_code)]
-            unsafe {
-                match T::BYTES {
-                    1 => super::x86::survey_steps::<1>(old, new, &positions[..head], model, contexts, magnitudes, signs),
-                    2 => super::x86::survey_steps::<2>(old, new, &positions[..head], model, contexts, magnitudes, signs),
-                    4 => super::x86::survey_steps::<4>(old, new, &positions[..head], model, contexts, magnitudes, signs),
-                    _ => {}
-                }
-            }
+                kernel(old, new, &positions[..head], model.step_model32(), contexts, magnitudes, signs)
+            };
             done = head;
         }
     }
@@ -1013,45 +1003,10 @@ fn decode_words<T: Word>(
         // all but the last few.
         let mut done = 0;
         #[cfg(target_arch = "x86_64")]
-        if expansion == Expansion::Blocks && step_tables::avx512::available() {
-            // Whole groups of sixteen, of the positions the kernels take.
-            let head = super::gather_x86::kernel_prefix(&positions, w, old.len(), 0) / step_tables::LANES * step_tables::LANES;
-            if head > 0 {
-                let (step_model, xor) = (model.step_model32(), kind == ChangeKind::Xor);
-                let (group_positions, group_values) = (&positions[..head], &mut values[..head]);
-                // Safety: `kernel_prefix` took only positions that `fits`
-                // (so `w` is 1, 2 or 4), and the CPU has what
-                // `decode_groups` needs (`available`).
-                #[allow(unsafe_code)]
-                unsafe {
-                    use step_tables::avx512::decode_groups;
-                    unchanged |= match w {
-                        1 => decode_groups::<1>(&mut steps, old, group_positions, signs, step_model, xor, group_values),
-                        2 => decode_groups::<2>(&mut steps, old, group_positions, signs, step_model, xor, group_values),
-                        _ => decode_groups::<4>(&mut steps, old, group_positions, signs, step_model, xor, group_values),
-                    };
-                }
-                done = head;
-            }
-        } else if expansion == Expansion::Blocks && step_tables::avx2::available() {
-            let head = step_tables::avx2::kernel_prefix(&positions, w, old.len());
-            if head > 0 {
-                let (step_model, xor) = (model.step_model32(), kind == ChangeKind::Xor);
-                let (group_positions, group_values) = (&positions[..head], &mut values[..head]);
-                // Safety: `kernel_prefix` took only positions whose loads
-                // stay in `old` (and `w` is 1, 2 or 4), and the CPU has
-                // AVX2 (`available`).
-                #[allow(unsafe_code)]
-                unsafe {
-                    use step_tables::avx2::decode_groups;
-                    unchanged |= match w {
-                        1 => decode_groups::<1>(&mut steps, old, group_positions, signs, step_model, xor, group_values),
-                        2 => decode_groups::<2>(&mut steps, old, group_positions, signs, step_model, xor, group_values),
-                        _ => decode_groups::<4>(&mut steps, old, group_positions, signs, step_model, xor, group_values),
-                    };
-                }
-                done = head;
-            }
+        if expansion == Expansion::Blocks {
+            let step_model = model.step_model32();
+            let taken = step_tables::decode_leading_groups(&mut steps, old, w, &positions, signs, step_model, kind == ChangeKind::Xor, &mut values);
+            (done, unchanged) = taken;
         }
         // Then four changes per round, one per rANS state, so that the
         // four chains overlap.
@@ -1355,7 +1310,7 @@ mod tests {
                 let found = super::super::find_changes(&old, &new, w, ChangeKind::Xor).unwrap();
                 let m = found.positions.len();
                 #[cfg(target_arch = "x86_64")]
-                if step_tables::avx2::available() {
+                if super::super::avx2_available() {
                     let head = step_tables::avx2::kernel_prefix(&found.positions, w, old.len());
                     assert!(head > 0 && head < m, "{dtype:?}: the kernel takes {head} of {m} changes");
                 }

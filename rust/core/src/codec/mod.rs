@@ -29,6 +29,15 @@ mod gather_x86;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+/// Whether this CPU has AVX2, for the kernels that need nothing more (the
+/// sparse apply's, the Rice reader's low parts, the context mode's survey
+/// and step decoding, the compiler-vectorised loops); detected once.
+#[cfg(target_arch = "x86_64")]
+fn avx2_available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| std::arch::is_x86_feature_detected!("avx2"))
+}
+
 use crate::digest::{DigestMoves, DigestSum};
 pub use scan::{find_changes, find_changes_tracked};
 use crate::error::{Error, Result};
@@ -250,7 +259,7 @@ fn planes_of(values: &[u64], width: usize) -> Vec<Vec<u8>> {
         };
     }
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
+    if avx2_available() {
         // Safety: the CPU supports AVX2 (checked just above).
         #[allow(unsafe_code)]
         return unsafe { planes_of_avx2(values, width) };
@@ -458,7 +467,7 @@ fn positions_from_rice(codes: &[u8], k: u32, m: usize, n: usize, context: &str) 
 /// stream).
 fn gap_streams(positions: &[u32]) -> (Vec<u8>, Vec<u8>) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
+    if avx2_available() {
         // Safety: the CPU supports AVX2 (checked just above).
         #[allow(unsafe_code)]
         return unsafe { gap_streams_avx2(positions) };
@@ -860,7 +869,7 @@ fn apply_sparse_kernels(
         };
         return Some((moved, cut));
     }
-    if !apply_avx2::available() || first_element + positions.last().map_or(0, |&p| u64::from(p)) >= 1 << 32 {
+    if !avx2_available() || first_element + positions.last().map_or(0, |&p| u64::from(p)) >= 1 << 32 {
         return None;
     }
     // Safety: the CPU has AVX2, `w` is 1, 2 or 4, and every unit index is

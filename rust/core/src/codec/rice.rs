@@ -362,7 +362,7 @@ fn add_low_parts(lows: &[u8], at: u64, k: u32, slots: &mut [u32]) {
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if k <= avx2::MAX_K && avx2::available() {
+    if k <= avx2::MAX_K && super::avx2_available() {
         // Safety: the CPU has AVX2 and `k` is within the kernel's bound.
         #[allow(unsafe_code)]
         let (done, sum) = unsafe { avx2::add_low_parts(lows, at, k, slots) };
@@ -407,16 +407,10 @@ fn add_low_parts_wide(lows: &[u8], at: u64, k: u32, limit: u64, slots: &mut [u32
 #[allow(unsafe_code)]
 mod avx2 {
     use std::arch::x86_64::*;
-    use std::sync::OnceLock;
 
     /// The largest parameter the kernel reads: a part and its bit offset
     /// within a byte fit the three bytes each lane takes.
     pub(super) const MAX_K: u32 = 16;
-
-    pub(super) fn available() -> bool {
-        static AVAILABLE: OnceLock<bool> = OnceLock::new();
-        *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx2"))
-    }
 
     /// `add_low_parts_scalar` on the leading slots, eight at a time, as far
     /// as each block's 16-byte loads stay inside `lows`. Returns how many
@@ -766,7 +760,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn low_part_kernel_matches_scalar() {
-        if !avx2::available() {
+        if !super::super::avx2_available() {
             return;
         }
         let mut next = super::super::tests::xorshift(0x10b1_7500_0000_0003);

@@ -607,6 +607,62 @@ impl Decoder {
     }
 }
 
+/// Decode the steps of the leading changes at `positions` (the next of
+/// the stream, against the chunk `old` of `width`-byte words; signs from
+/// bit `j % 8` of `signs[j / 8]`) into `values`, with the widest vector
+/// kernel this CPU runs (`avx512`, else `avx2`), in whole groups of
+/// sixteen. Returns how many changes it took (none where no kernel runs
+/// or fits) and whether one of them leaves its element as it was (a
+/// corrupt payload); `Decoder::step` takes the rest.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn decode_leading_groups(
+    steps: &mut Decoder,
+    old: &[u8],
+    width: usize,
+    positions: &[u32],
+    signs: &[u8],
+    model: crate::codec::gather_x86::StepModel32,
+    xor: bool,
+    values: &mut [u64],
+) -> (usize, bool) {
+    type Kernel = unsafe fn(&mut Decoder, &[u8], &[u32], &[u8], crate::codec::gather_x86::StepModel32, bool, &mut [u64]) -> bool;
+    let (head, kernels): (usize, [Kernel; 3]) = if avx512::available() {
+        let head = crate::codec::gather_x86::kernel_prefix(positions, width, old.len(), 0) / LANES * LANES;
+        (head, [avx512::decode_groups::<1>, avx512::decode_groups::<2>, avx512::decode_groups::<4>])
+    } else if crate::codec::avx2_available() {
+        (avx2::kernel_prefix(positions, width, old.len()), [avx2::decode_groups::<1>, avx2::decode_groups::<2>, avx2::decode_groups::<4>])
+    } else {
+        return (0, false);
+    };
+    if head == 0 {
+        return (0, false);
+    }
+    let kernel = kernels[match width {
+        1 => 0,
+        2 => 1,
+        _ => 2,
+    }];
+    // Safety: the kernel's `kernel_prefix` took only positions whose loads
+    // stay in `old` (so `width` is 1, 2 or 4), and the CPU has what the
+    // kernel needs (checked just above).
+    let unchanged = unsafe { kernel(steps, old, &positions[..head], signs, model, xor, &mut values[..head]) };
+    (head, unchanged)
+}
+
+/// The vector kernels' checks of their arguments: whole groups of sixteen
+/// changes, one value and one sign bit per change, a table for every
+/// context.
+#[cfg(target_arch = "x86_64")]
+fn check_groups(steps: &Decoder, positions: &[u32], signs: &[u8], model: crate::codec::gather_x86::StepModel32, values: &[u64]) {
+    let n = positions.len();
+    assert!(
+        n.is_multiple_of(LANES) && values.len() == n && signs.len() * 8 >= n && steps.table_of.len() > model.mask as usize,
+        "whole groups, one value and one sign per change, a table for every context"
+    );
+}
+
 /// AVX-512 decoding of table-coded steps, sixteen changes per step, one
 /// per rANS state: each change's old word, context, table and slot entry
 /// gathered, the sixteen renormalisations fed by one expand of the next
@@ -719,11 +775,7 @@ pub(super) mod avx512 {
         xor: bool,
         values: &mut [u64],
     ) -> bool {
-        let n = positions.len();
-        assert!(
-            n.is_multiple_of(LANES) && values.len() == n && signs.len() * 8 >= n && steps.table_of.len() > model.mask as usize,
-            "whole groups, one value and one sign per change, a table for every context"
-        );
+        super::check_groups(steps, positions, signs, model, values);
         assert_eq!(steps.slots.len() + SLOT_CLASS_PADDING, steps.slot_class.len(), "the decoder built the wide slot entries");
         // Each context's table, as the first of its slots.
         let table_of: Vec<u32> = steps.table_of.iter().map(|&t| u32::from(t) << SCALE_BITS).collect();
@@ -801,19 +853,12 @@ pub(super) mod avx512 {
 #[allow(unsafe_code)]
 pub(super) mod avx2 {
     use std::arch::x86_64::*;
-    use std::sync::OnceLock;
 
     use super::{Decoder, CLASS_BITS, LANES, SCALE, SCALE_BITS, STATE_LOW};
 
     // A state fell low when its top sixteen bits are zero.
     const _: () = assert!(STATE_LOW == 1 << 16);
     use crate::codec::gather_x86::StepModel32;
-
-    /// Whether this CPU runs `decode_groups`.
-    pub(in crate::codec) fn available() -> bool {
-        static AVAILABLE: OnceLock<bool> = OnceLock::new();
-        *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx2"))
-    }
 
     /// How many of the leading `positions` (ascending) `decode_groups`
     /// takes for a chunk of `len` bytes of `width`-byte words: whole groups
@@ -856,7 +901,7 @@ pub(super) mod avx2 {
     /// `super::avx512::decode_groups` does, eight lanes at a time.
     ///
     /// # Safety
-    /// The CPU has AVX2 (`available()`); `W` is 1, 2 or 4; `positions`
+    /// The CPU has AVX2 (`codec::avx2_available`); `W` is 1, 2 or 4; `positions`
     /// is a `kernel_prefix` of a chunk's positions for `old` and `W`.
     #[target_feature(enable = "avx2")]
     pub(in crate::codec) unsafe fn decode_groups<const W: i32>(
@@ -868,11 +913,7 @@ pub(super) mod avx2 {
         xor: bool,
         values: &mut [u64],
     ) -> bool {
-        let n = positions.len();
-        assert!(
-            n.is_multiple_of(LANES) && values.len() == n && signs.len() * 8 >= n && steps.table_of.len() > model.mask as usize,
-            "whole groups, one value and one sign per change, a table for every context"
-        );
+        super::check_groups(steps, positions, signs, model, values);
         assert!(
             positions.last().is_none_or(|&p| p < 1 << 31 && p as usize * W as usize + 4 <= old.len()),
             "every 4-byte load inside the chunk"

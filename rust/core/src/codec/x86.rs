@@ -40,6 +40,7 @@ use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
 use super::context::{BucketGaps, Buckets, ContextModel, RankBitmaps};
+use super::gather_x86::StepModel32;
 use super::Word;
 
 /// Whether this CPU runs the block-wise decoder well: AVX2, BMI2 and
@@ -211,26 +212,14 @@ impl Walk {
     }
 }
 
-/// Where each listed bucket's walk over its rank bitmap stands, for the
-/// expansion kernels; `None` when no bucket is listed.
-struct Cursors {
-    /// Per bucket (indexed by the bucket id): the bit of `words` that
-    /// holds the flag of its next element, and the end of its bitmap (both
-    /// zero for buckets without changes: never entered).
-    next: [usize; 256],
-    end: [usize; 256],
-}
-
-impl Cursors {
-    fn new(listed: &[usize], maps: &RankBitmaps) -> Option<Self> {
-        let mut next = [0usize; 256];
-        let mut end = [0usize; 256];
-        for &c in listed {
-            next[c] = maps.base[c] * 64;
-            end[c] = next[c] + maps.limit[c] as usize;
-        }
-        (!listed.is_empty()).then_some(Cursors { next, end })
-    }
+/// Where each listed bucket's walk over its rank bitmap starts, for the
+/// expansion kernels: the bucket, the bit of `words` that holds the flag
+/// of its first element, and the end of its bitmap.
+fn cursors<'a>(listed: &'a [usize], maps: &'a RankBitmaps) -> impl Iterator<Item = (u8, usize, usize)> + 'a {
+    listed.iter().map(|&c| {
+        let next = maps.base[c] * 64;
+        (u8::try_from(c).expect("at most 256 buckets"), next, next + maps.limit[c] as usize)
+    })
 }
 
 /// 64 flags of a bucket's rank bitmap from bit `bit`: two words, which
@@ -303,17 +292,17 @@ unsafe fn expand_blocks<T: Word, const L: usize, const VBMI: bool>(
 ) {
     let w = T::BYTES;
     let n = old.len() / w;
-    let Some(Cursors { next, end }) = Cursors::new(listed, maps) else {
+    if listed.is_empty() {
         positions.clear();
         return;
-    };
+    }
     let mut count = 0usize;
     let words = &maps.words[..];
     // Every listed bucket is walked in every block, present or not: a loop
     // of fixed trip count, whose exit is always predicted (walking only the
     // buckets present took 5-15 % more time, Intel Xeon). Per bucket: its
     // probe, next flag and end.
-    let mut cursors: Vec<(__m512i, usize, usize)> = listed.iter().map(|&c| (_mm512_set1_epi8(c as u8 as i8), next[c], end[c])).collect();
+    let mut cursors: Vec<(__m512i, usize, usize)> = cursors(listed, maps).map(|(c, next, end)| (_mm512_set1_epi8(c as i8), next, end)).collect();
     for start in (0..n).step_by(64 * L) {
         // Safety: these kernels run only where the CPU has AVX-512 F and BW.
         let (v, valid) = unsafe { wide_lanes::<T, L, VBMI>(old, start, walk) };
@@ -521,13 +510,13 @@ unsafe fn expand_avx2<T: Word>(old: &[u8], walk: &Walk, listed: &[usize], maps: 
     const B: usize = 64;
     let w = T::BYTES;
     let n = old.len() / w;
-    let Some(Cursors { next, end }) = Cursors::new(listed, maps) else {
+    if listed.is_empty() {
         positions.clear();
         return;
-    };
+    }
     let mut count = 0usize;
     let words = &maps.words[..];
-    let mut cursors: Vec<(__m256i, usize, usize)> = listed.iter().map(|&c| (_mm256_set1_epi8(c as u8 as i8), next[c], end[c])).collect();
+    let mut cursors: Vec<(__m256i, usize, usize)> = cursors(listed, maps).map(|(c, next, end)| (_mm256_set1_epi8(c as i8), next, end)).collect();
     for start in (0..n).step_by(B) {
         let (v0, v1, _, valid) = block_buckets::<T>(old, start, walk);
         let mut changed = 0u64;
@@ -848,12 +837,6 @@ unsafe fn gaps_avx2<T: Word>(old: &[u8], walk: &Walk, positions: &[u32], walker:
     assert_eq!(next, positions.len(), "changed positions ascend and lie inside the chunk");
 }
 
-/// Whether this CPU runs `survey_steps` (AVX2; no `pdep`).
-pub(super) fn survey_available() -> bool {
-    static AVAILABLE: OnceLock<bool> = OnceLock::new();
-    *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx2"))
-}
-
 /// How many of the leading `positions` (ascending) of a chunk of `len`
 /// bytes of `width`-byte words `survey_steps` takes: whole groups of
 /// sixteen whose 4-byte loads stay inside the chunk, at positions that
@@ -875,7 +858,7 @@ pub(super) fn survey_prefix(positions: &[u32], width: usize, len: usize) -> usiz
 /// between the ordinals in the high bits of 32-bit lanes.
 ///
 /// # Safety
-/// The CPU has AVX2 (`survey_available`); `W` is 1, 2 or 4; `positions`
+/// The CPU has AVX2 (`codec::avx2_available`); `W` is 1, 2 or 4; `positions`
 /// is a `survey_prefix` of a chunk's positions for `old` and `W`.
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx2")]
@@ -883,7 +866,7 @@ pub(super) unsafe fn survey_steps<const W: i32>(
     old: &[u8],
     new: &[u8],
     positions: &[u32],
-    model: &ContextModel,
+    model: StepModel32,
     contexts: &mut [u16],
     magnitudes: &mut [u64],
     signs: &mut [u16],
@@ -899,7 +882,7 @@ pub(super) unsafe fn survey_steps<const W: i32>(
     );
     let up = _mm_cvtsi32_si128(32 - 8 * W);
     let below_sign = (i32::MAX >> (32 - 8 * W)) << (32 - 8 * W);
-    let flip = _mm256_set1_epi32(if model.is_float() { below_sign } else { 0 });
+    let flip = _mm256_set1_epi32(if model.float { below_sign } else { 0 });
     let ordinal = |high: __m256i| _mm256_xor_si256(high, _mm256_and_si256(_mm256_srai_epi32::<31>(high), flip));
     let word_mask = _mm256_set1_epi32(if W == 4 { -1 } else { (1 << (8 * W)) - 1 });
     let shift = _mm_cvtsi32_si128(model.shift as i32);
