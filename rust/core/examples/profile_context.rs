@@ -2,7 +2,9 @@
 //! With `COLD=1` in the environment the caches are flushed (256 MiB written
 //! elsewhere, not timed) before each timed encode and decode. With
 //! `DECODE_ONLY=1` each repeat decodes 40 times (the time reported is per
-//! decode), so that a profiler's samples are mostly the decoder's.
+//! decode), so that a profiler's samples are mostly the decoder's;
+//! `ENCODE_ONLY=1` does the same for the encoder. `CHUNK` sets the bytes
+//! per chunk (4 MiB, as `dcr diff`, by default).
 use std::time::Instant;
 use dcr_core::checkpoint::ReadOnlyCheckpoint;
 use dcr_core::codec::{self, context::{self, ContextModel}, ChangeKind};
@@ -20,20 +22,32 @@ fn main() {
     let model = ContextModel::for_dtype(dtype);
     let width = dtype.word_bytes();
     let mut best = [f64::MAX; 3];
+    let chunk: usize = std::env::var("CHUNK").map_or(4 << 20, |c| c.parse().expect("CHUNK: bytes per chunk"));
     let (mut changed, mut payload) = (0usize, 0usize);
     for _ in 0..15 {
         evict_caches();
         let t = Instant::now();
         let mut enc = Vec::new();
+        let encode_rounds = if std::env::var_os("ENCODE_ONLY").is_some() { 40 } else { 1 };
+        for _ in 1..encode_rounds {
+            for (o, n) in ob.iter().zip(&nb) {
+                for (oc, nc) in o.chunks(chunk).zip(n.chunks(chunk)) {
+                    let ch = codec::find_changes(oc, nc, width, ChangeKind::Xor).unwrap();
+                    if !ch.positions.is_empty() {
+                        std::hint::black_box(context::encode(oc, nc, &ch, &model, 1));
+                    }
+                }
+            }
+        }
         for (o, n) in ob.iter().zip(&nb) {
-            for (oc, nc) in o.chunks(4 << 20).zip(n.chunks(4 << 20)) {
+            for (oc, nc) in o.chunks(chunk).zip(n.chunks(chunk)) {
                 let ch = codec::find_changes(oc, nc, width, ChangeKind::Xor).unwrap();
                 if !ch.positions.is_empty() {
                     enc.push((oc, ch.positions.len(), context::encode(oc, nc, &ch, &model, 1)));
                 }
             }
         }
-        let t_enc = t.elapsed().as_secs_f64();
+        let t_enc = t.elapsed().as_secs_f64() / encode_rounds as f64;
         changed = enc.iter().map(|e| e.1).sum();
         payload = enc.iter().map(|e| e.2.len()).sum();
         evict_caches();

@@ -623,32 +623,6 @@ fn encode_flags(rc: &mut RangeEncoder, gaps: &[u32]) {
     }
 }
 
-/// `encode_flags` read back into `words` (bit `r % 64` of the `r / 64`-th
-/// word pushed = rank `r` changed) until `changes` are found; returns how
-/// many flags that took. `None` when that would pass `max_flags` (a
-/// corrupt stream).
-fn decode_flags(rc: &mut RangeDecoder<'_>, changes: u64, max_flags: u64, words: &mut Vec<u64>) -> Option<u64> {
-    let mut probs = [PROB_INIT; 2];
-    let (mut prev, mut found, mut rank, mut word, mut count) = (0usize, 0u64, 0u64, 0u64, 0u16);
-    while found < changes {
-        if rank >= max_flags {
-            return None;
-        }
-        let changed = rc.bit_unpredictable(&mut probs[prev], Rate::advance(&mut count));
-        word |= u64::from(changed) << (rank % 64);
-        found += u64::from(changed);
-        prev = usize::from(changed);
-        rank += 1;
-        if rank % 64 == 0 {
-            words.push(word);
-            word = 0;
-        }
-    }
-    if rank % 64 != 0 {
-        words.push(word);
-    }
-    Some(rank)
-}
 
 /// Always inlined into `encode_with`: left to the compiler, it became a
 /// function of its own once the rank kernels grew, and the context encode
@@ -906,13 +880,10 @@ fn rank_bitmaps(parsed: &Parsed<'_>, n: usize, rc: &mut RangeDecoder<'_>, contex
             ranks.clear();
             let next = reader.read_ascending(l.k, l.changes, bits_left, &mut ranks).map_err(bad)?;
             maps.words.resize(base + next.div_ceil(64) as usize, 0);
-            let map = &mut maps.words[base..];
-            for &rank in &ranks {
-                map[(rank / 64) as usize] |= 1 << (rank % 64);
-            }
+            set_ranks(&mut maps.words[base..], &ranks);
             next
         } else {
-            decode_flags(rc, l.changes, bits_left, &mut maps.words).ok_or_else(|| bad("positions beyond the chunk's elements"))?
+            rc.order1_flags(l.changes, bits_left, &mut maps.words).ok_or_else(|| bad("positions beyond the chunk's elements"))?
         };
         bits_left -= limit;
         maps.limit[l.bucket] = limit;
@@ -920,6 +891,22 @@ fn rank_bitmaps(parsed: &Parsed<'_>, n: usize, rc: &mut RangeDecoder<'_>, contex
     }
     reader.finish().map_err(bad)?;
     Ok(maps)
+}
+
+/// Set bit `r % 64` of `map[r / 64]` for each rank `r` of `ranks`
+/// (ascending, each below `64 * map.len()`) in a `map` of zeros. Each rank
+/// stores its word as built so far in a register, branch-free: an OR into
+/// memory per rank made a chain through memory wherever ranks share a
+/// word, and a branch per new word was mispredicted.
+fn set_ranks(map: &mut [u64], ranks: &[u32]) {
+    let (mut at, mut word) = (usize::MAX, 0u64);
+    for &rank in ranks {
+        let index = (rank / 64) as usize;
+        let same = u64::from(index == at).wrapping_neg();
+        word = (word & same) | 1 << (rank % 64);
+        map[index] = word;
+        at = index;
+    }
 }
 
 /// The positions of the changes, rank bitmaps walked in element order one

@@ -25,6 +25,9 @@ pub const SETTLED_AFTER: u16 = 30;
 pub struct Rate(u32);
 
 impl Rate {
+    /// The rate once a context has coded `SETTLED_AFTER` symbols.
+    pub const SETTLED: Rate = Rate(5);
+
     /// The rate for a context that has coded `n` symbols before this one:
     /// `min(5, floor(log2(n + 2)))`. (Any rate keeps a probability within
     /// 1..=2047 of 2048; see `RangeDecoder::normalize`.)
@@ -262,6 +265,43 @@ impl<'a> RangeDecoder<'a> {
         bit
     }
 
+    /// A dense context's change flags, as `context::encode_flags` codes
+    /// them: each decision by `bit_unpredictable` under one of two
+    /// probabilities, chosen by the decision before it (the first as after
+    /// a `false`), both at the rate of one count. Read until `changes`
+    /// decisions came out true, into `words` (bit `r % 64` of the
+    /// `r / 64`-th word pushed is decision `r`); returns how many
+    /// decisions that took. `None` when that would pass `max_flags` (a
+    /// corrupt stream).
+    ///
+    /// The same arithmetic as `bit_unpredictable`, with the coder's state
+    /// and both probabilities in locals: a decision through `&mut self` and
+    /// a probability indexed in memory put the previous decision's stores
+    /// on the next one's chain (about 20 cycles per decision).
+    pub fn order1_flags(&mut self, changes: u64, max_flags: u64, words: &mut Vec<u64>) -> Option<u64> {
+        let mut flags = Order1 { range: self.range, code: self.code, pos: self.pos, current: u32::from(PROB_INIT), other: u32::from(PROB_INIT), previous: false };
+        let (mut left, mut rank) = (changes, 0u64);
+        let mut result = Some(0);
+        while left > 0 {
+            if rank >= max_flags {
+                result = None;
+                break;
+            }
+            let in_word = 64.min(max_flags - rank) as u32;
+            // The rates of a young context only in the first word.
+            let word = if rank == 0 {
+                flags.word(self.buf, in_word, &mut left, Rate::after)
+            } else {
+                flags.word(self.buf, in_word, &mut left, |_| Rate::SETTLED)
+            };
+            words.push(word.0);
+            rank += u64::from(word.1);
+            result = Some(rank);
+        }
+        (self.range, self.code, self.pos) = (flags.range, flags.code, flags.pos);
+        result
+    }
+
     pub fn direct(&mut self, bits: u32) -> u64 {
         let mut v = 0u64;
         for _ in 0..bits {
@@ -276,6 +316,56 @@ impl<'a> RangeDecoder<'a> {
             self.normalize();
         }
         v
+    }
+}
+
+/// The state of `RangeDecoder::order1_flags`: the coder's, and the
+/// probability the `previous` decision chose (`current`) and the other.
+struct Order1 {
+    range: u32,
+    code: u32,
+    pos: usize,
+    current: u32,
+    other: u32,
+    previous: bool,
+}
+
+impl Order1 {
+    /// Up to `n` decisions, the `i`-th at `rate(i)`, until `left` falls to
+    /// zero: the word of their outcomes and how many were read.
+    #[inline(always)]
+    fn word(&mut self, buf: &[u8], n: u32, left: &mut u64, rate: impl Fn(u16) -> Rate) -> (u64, u32) {
+        let mut word = 0u64;
+        let mut i = 0;
+        while i < n && *left > 0 {
+            let p = self.current;
+            let bound = (self.range >> PROB_BITS) * p;
+            let bit = self.code >= bound;
+            let one = u32::from(bit).wrapping_neg();
+            let zero = !one;
+            self.range = (bound & zero) | (self.range.wrapping_sub(bound) & one);
+            self.code = self.code.wrapping_sub(bound & one);
+            let adapted = u32::from(adapted(p, rate(i as u16), zero, one));
+            // A change chooses the other probability next when the last
+            // decision was no change, and the other way round; the one
+            // just adapted becomes `other`.
+            if bit != self.previous {
+                (self.current, self.other) = (self.other, adapted);
+            } else {
+                self.current = adapted;
+            }
+            self.previous = bit;
+            word |= u64::from(bit) << i;
+            *left -= u64::from(bit);
+            i += 1;
+            while self.range < TOP {
+                self.range <<= 8;
+                // Past the end the stream reads as zeros; `overrun` tells.
+                self.code = (self.code << 8) | buf.get(self.pos).map_or(0, |&b| u32::from(b));
+                self.pos += 1;
+            }
+        }
+        (word, i)
     }
 }
 
@@ -340,12 +430,56 @@ mod tests {
     }
 
     #[test]
+    fn order1_flags_read_what_order1_decisions_wrote() {
+        // Runs of changes: each flag under the probability its predecessor
+        // chose; then a decision of another context after the run, read
+        // from the state the reader handed back.
+        for density in [2u64, 5, 50] {
+            let mut x = density;
+            let mut truth = Vec::new();
+            for _ in 0..30_000 {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let bit = if truth.last() == Some(&true) { !(x >> 40).is_multiple_of(3) } else { (x >> 40).is_multiple_of(density) };
+                truth.push(bit);
+            }
+            // The flags end at the last change.
+            let last = truth.iter().rposition(|&b| b).unwrap();
+            truth.truncate(last + 1);
+            let mut e = RangeEncoder::default();
+            let (mut probs, mut previous, mut count) = ([PROB_INIT; 2], 0usize, 0u16);
+            for &bit in &truth {
+                e.bit_unpredictable(&mut probs[previous], bit, Rate::advance(&mut count));
+                previous = usize::from(bit);
+            }
+            let mut other = PROB_INIT;
+            e.bit(&mut other, true, Rate::after(0));
+            let out = e.finish();
+            let mut d = RangeDecoder::new(&out).unwrap();
+            let changes = truth.iter().filter(|&&b| b).count() as u64;
+            let mut words = Vec::new();
+            assert_eq!(d.order1_flags(changes, 30_000, &mut words), Some(last as u64 + 1));
+            assert_eq!(words.len(), (last + 1).div_ceil(64));
+            let read: Vec<bool> = (0..=last).map(|r| words[r / 64] >> (r % 64) & 1 == 1).collect();
+            assert_eq!(read, truth, "density 1/{density}");
+            // Past the bound: refused.
+            let mut d = RangeDecoder::new(&out).unwrap();
+            assert_eq!(d.order1_flags(changes, last as u64, &mut Vec::new()), None);
+            let mut d = RangeDecoder::new(&out).unwrap();
+            assert_eq!(d.order1_flags(changes, 30_000, &mut Vec::new()), Some(last as u64 + 1));
+            let mut other = PROB_INIT;
+            assert!(d.bit(&mut other, Rate::after(0)));
+            assert!(!d.overrun());
+        }
+    }
+
+    #[test]
     fn rates_start_fast_and_settle_at_lzmas() {
         let shifts: Vec<u32> = (0..40).map(|n| Rate::after(n).0).collect();
         assert_eq!(&shifts[..8], &[1, 1, 2, 2, 2, 2, 3, 3]);
         assert_eq!(shifts[13..15], [3, 4]);
         assert_eq!(shifts[29..31], [4, 5]);
         assert!(shifts[30..].iter().all(|&s| s == 5));
+        assert_eq!(Rate::SETTLED, Rate::after(SETTLED_AFTER));
         let mut count = 0u16;
         let advanced: Vec<u32> = (0..40).map(|_| Rate::advance(&mut count).0).collect();
         assert_eq!(advanced, shifts);

@@ -980,21 +980,34 @@ pub(super) mod avx2 {
                     let mut sums = _mm256_add_epi32(raw_lengths, _mm256_slli_si256::<4>(raw_lengths));
                     sums = _mm256_add_epi32(sums, _mm256_slli_si256::<8>(sums));
                     sums = _mm256_add_epi32(sums, _mm256_blend_epi32::<0xF0>(zero, _mm256_permutevar8x32_epi32(sums, lane3)));
-                    let base = bit.min(raw_end) as i32;
-                    let at = _mm256_add_epi32(_mm256_set1_epi32(base), _mm256_sub_epi32(sums, raw_lengths));
-                    let bytes = _mm256_min_epu32(_mm256_srli_epi32::<3>(at), last_raw_byte);
-                    let bit_shift = _mm256_and_si256(at, _mm256_set1_epi32(7));
+                    let total = _mm256_extract_epi32::<7>(sums);
+                    let base = bit.min(raw_end);
+                    let starts = _mm256_sub_epi32(sums, raw_lengths);
+                    // Each lane's bits from one 64-bit word per lane: where
+                    // the group's raw bits fit in 56 (nearly always), all
+                    // from the one load at `base`; else gathered, each
+                    // lane's from its own byte.
+                    let (words, bit_shift): ([__m256i; 2], __m256i) = if total <= 56 {
+                        let at = (base / 8).min(raw.len() - 8);
+                        // Safety: `raw` holds eight bytes from `at`.
+                        let window = u64::from_le_bytes(unsafe { raw.get_unchecked(at..at + 8) }.try_into().expect("8 bytes")) >> (base % 8);
+                        let window = _mm256_set1_epi64x(window as i64);
+                        ([window; 2], starts)
+                    } else {
+                        let at = _mm256_add_epi32(_mm256_set1_epi32(base as i32), starts);
+                        let bytes = _mm256_min_epu32(_mm256_srli_epi32::<3>(at), last_raw_byte);
+                        let gather = |v: __m128i| _mm256_i32gather_epi64::<1>(raw.as_ptr().cast(), v);
+                        ([gather(_mm256_castsi256_si128(bytes)), gather(_mm256_extracti128_si256::<1>(bytes))], _mm256_and_si256(at, _mm256_set1_epi32(7)))
+                    };
                     let take = |k: usize| {
                         let pick = |v: __m256i| if k == 0 { _mm256_castsi256_si128(v) } else { _mm256_extracti128_si256::<1>(v) };
-                        let words = _mm256_i32gather_epi64::<1>(raw.as_ptr().cast(), pick(bytes));
                         let one = _mm256_set1_epi64x(1);
                         let mask = _mm256_sub_epi64(_mm256_sllv_epi64(one, _mm256_cvtepu32_epi64(pick(raw_lengths))), one);
-                        let bits = _mm256_and_si256(_mm256_srlv_epi64(words, _mm256_cvtepu32_epi64(pick(bit_shift))), mask);
+                        let bits = _mm256_and_si256(_mm256_srlv_epi64(words[k], _mm256_cvtepu32_epi64(pick(bit_shift))), mask);
                         // The low halves of the four 64-bit lanes.
                         _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(bits, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6)))
                     };
                     below = _mm256_set_m128i(take(1), take(0));
-                    let total = _mm256_extract_epi32::<7>(sums);
                     bit += total as usize;
                 }
                 // The magnitude: the class itself below 2, else its top two

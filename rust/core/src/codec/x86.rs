@@ -156,7 +156,17 @@ pub(super) fn expand_with<T: Word>(
         // Safety: the CPU has the features `expand_avx2` is compiled for
         // (checked just above).
         #[allow(unsafe_code)]
-        Kernel::Avx2 => unsafe { expand_avx2::<T>(old, &walk, listed, maps, positions) },
+        Kernel::Avx2 => {
+            // The positions written unconditionally per block: about the
+            // mean changes per block plus one deviation, so that the loop
+            // for the others seldom runs (its trip count mispredicts).
+            let per_block = 64 * positions.len().saturating_sub(SPARE) / (old.len() / T::BYTES).max(1);
+            match per_block {
+                0..2 => unsafe { expand_avx2::<T, 4>(old, &walk, listed, maps, positions) },
+                2..5 => unsafe { expand_avx2::<T, 8>(old, &walk, listed, maps, positions) },
+                _ => unsafe { expand_avx2::<T, 16>(old, &walk, listed, maps, positions) },
+            }
+        }
         Kernel::Avx512 => {
             assert!(wide_available(), "the caller checks the CPU");
             // Safety: checked just above.
@@ -237,16 +247,17 @@ fn window(words: &[u64], bit: usize) -> u64 {
 }
 
 /// Write the positions of the set bits of `changed` (elements from
-/// `start`) at `at`: four unconditionally (most blocks have no more; the
+/// `start`) at `at`: `U` unconditionally (most blocks have no more; the
 /// surplus is overwritten or cut off), then any others. Returns how many.
 #[inline(always)]
-fn write_positions(at: &mut [u32], start: usize, mut changed: u64) -> usize {
+fn write_positions<const U: usize>(at: &mut [u32], start: usize, mut changed: u64) -> usize {
+    const { assert!(U <= SPARE) };
     let found = changed.count_ones() as usize;
-    for slot in &mut at[..4] {
+    for slot in &mut at[..U] {
         *slot = (start + changed.trailing_zeros() as usize) as u32;
         changed &= changed.wrapping_sub(1);
     }
-    let mut slot = 4;
+    let mut slot = U;
     while changed != 0 {
         at[slot] = (start + changed.trailing_zeros() as usize) as u32;
         changed &= changed - 1;
@@ -322,7 +333,7 @@ unsafe fn expand_blocks<T: Word, const L: usize, const VBMI: bool>(
         // At most the listed total is ever found (each bitmap bit is taken
         // once), so `SPARE` slots past it suffice for each part.
         for (lane, &bits) in changed.iter().enumerate() {
-            count += write_positions(&mut positions[count..count + SPARE], start + 64 * lane, bits);
+            count += write_positions::<4>(&mut positions[count..count + SPARE], start + 64 * lane, bits);
         }
     }
     positions.truncate(count);
@@ -506,7 +517,7 @@ unsafe fn wide_context_vectors<T: Word>(words: &[u8], shift: u32, mask: u8) -> (
 /// Compiled with AVX2 and BMI2: may only run where `available()`.
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx2,bmi1,bmi2,popcnt")]
-unsafe fn expand_avx2<T: Word>(old: &[u8], walk: &Walk, listed: &[usize], maps: &RankBitmaps, positions: &mut Vec<u32>) {
+unsafe fn expand_avx2<T: Word, const U: usize>(old: &[u8], walk: &Walk, listed: &[usize], maps: &RankBitmaps, positions: &mut Vec<u32>) {
     const B: usize = 64;
     let w = T::BYTES;
     let n = old.len() / w;
@@ -532,7 +543,7 @@ unsafe fn expand_avx2<T: Word>(old: &[u8], walk: &Walk, listed: &[usize], maps: 
         }
         // At most the listed total is ever found (each bitmap bit is taken
         // once), so `SPARE` slots past it suffice.
-        count += write_positions(&mut positions[count..count + SPARE], start, changed);
+        count += write_positions::<U>(&mut positions[count..count + SPARE], start, changed);
     }
     positions.truncate(count);
 }
@@ -555,10 +566,18 @@ fn block_buckets<T: Word>(old: &[u8], start: usize, walk: &Walk) -> (__m256i, __
         let (v0, v1) = unsafe { context_vectors::<T>(block, walk.shift, walk.mask) };
         return (ids(v0), ids(v1), len, u64::MAX);
     }
-    let mut tail = [0u8; B * 4];
-    tail[..block.len()].copy_from_slice(block);
-    let (v0, v1) = unsafe { context_vectors::<T>(&tail[..B * w], walk.shift, walk.mask) };
-    (ids(v0), ids(v1), len, (1u64 << len) - 1)
+    // Kept out of line, so that the common case is small enough to inline.
+    #[cold]
+    #[inline(never)]
+    #[target_feature(enable = "avx2")]
+    fn partial<T: Word>(block: &[u8], walk: &Walk) -> (__m256i, __m256i, usize, u64) {
+        let mut tail = [0u8; B * 4];
+        tail[..block.len()].copy_from_slice(block);
+        let (v0, v1) = unsafe { context_vectors::<T>(&tail[..B * T::BYTES], walk.shift, walk.mask) };
+        let len = block.len() / T::BYTES;
+        (bucket_ids(v0, walk), bucket_ids(v1, walk), len, (1u64 << len) - 1)
+    }
+    partial::<T>(block, walk)
 }
 
 /// The bucket id of each context byte of `v`: how many bounds it reaches.
