@@ -607,21 +607,6 @@ fn coded_flags_estimate(gaps: &[u32], span: u64) -> f64 {
     entropy(change_then_change, change_then_same) + entropy(same_then_change, same_then_same) + 2.0 * ((span + 1) as f64).log2()
 }
 
-/// The flags of a dense context, ranks 0 up to its last change, each coded
-/// with one of two probabilities chosen by the flag before it (changes come
-/// in runs).
-fn encode_flags(rc: &mut RangeEncoder, gaps: &[u32]) {
-    let mut probs = [PROB_INIT; 2];
-    let (mut prev, mut count) = (0usize, 0u16);
-    for &g in gaps {
-        for _ in 0..g {
-            rc.bit_unpredictable(&mut probs[prev], false, Rate::advance(&mut count));
-            prev = 0;
-        }
-        rc.bit_unpredictable(&mut probs[prev], true, Rate::advance(&mut count));
-        prev = 1;
-    }
-}
 
 
 /// Always inlined into `encode_with`: left to the compiler, it became a
@@ -667,7 +652,9 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
         let (k, rice_bits) = best_rice_parameter(gaps, span, m_b);
         let dense = m_b * CODED_FLAGS_SPAN_PER_CHANGE >= span;
         let (mode, k) = if dense && coded_flags_estimate(gaps, span) < CODED_FLAGS_GAIN * rice_bits as f64 {
-            encode_flags(&mut rc, gaps);
+            // Ranks 0 up to its last change, each flag coded under the
+            // flag before it (changes come in runs).
+            rc.order1_flags(gaps);
             (MODE_CODED_FLAGS, 0)
         } else {
             rice.put_gaps(gaps, k, rice_bits);

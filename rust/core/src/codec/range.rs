@@ -117,6 +117,23 @@ impl RangeEncoder {
         self.normalize();
     }
 
+    /// A dense context's change flags given as the gaps between its
+    /// changes (`gaps[i]` unchanged elements, then a change): each flag by
+    /// `bit_unpredictable` under one of two probabilities chosen by the
+    /// flag before it (the first as after a `false`), both at the rate of
+    /// one count. What `RangeDecoder::order1_flags` reads; the coder's
+    /// range and low and both probabilities kept in locals, as there.
+    pub fn order1_flags(&mut self, gaps: &[u32]) {
+        let mut flags = Order1Writer { range: self.range, low: self.low, current: u32::from(PROB_INIT), other: u32::from(PROB_INIT), previous: false, count: 0 };
+        for &gap in gaps {
+            for _ in 0..gap {
+                flags.code(self, false);
+            }
+            flags.code(self, true);
+        }
+        (self.range, self.low) = (flags.range, flags.low);
+    }
+
     /// At most two renormalisation steps (see `RangeDecoder::normalize`).
     #[inline(always)]
     fn normalize(&mut self) {
@@ -265,7 +282,7 @@ impl<'a> RangeDecoder<'a> {
         bit
     }
 
-    /// A dense context's change flags, as `context::encode_flags` codes
+    /// A dense context's change flags, as `RangeEncoder::order1_flags` codes
     /// them: each decision by `bit_unpredictable` under one of two
     /// probabilities, chosen by the decision before it (the first as after
     /// a `false`), both at the rate of one count. Read until `changes`
@@ -316,6 +333,46 @@ impl<'a> RangeDecoder<'a> {
             self.normalize();
         }
         v
+    }
+}
+
+/// The state of `RangeEncoder::order1_flags`: the coder's range and low,
+/// the probability the `previous` flag chose (`current`) and the other,
+/// and the flags coded so far (up to `SETTLED_AFTER`).
+struct Order1Writer {
+    range: u32,
+    low: u64,
+    current: u32,
+    other: u32,
+    previous: bool,
+    count: u16,
+}
+
+impl Order1Writer {
+    /// `RangeEncoder::bit_unpredictable` of `bit` on `current`, the
+    /// encoder's bytes written through `to`.
+    #[inline(always)]
+    fn code(&mut self, to: &mut RangeEncoder, bit: bool) {
+        let rate = if self.count < SETTLED_AFTER { Rate::advance(&mut self.count) } else { Rate::SETTLED };
+        let p = self.current;
+        let bound = (self.range >> PROB_BITS) * p;
+        let one = u32::from(bit).wrapping_neg();
+        let zero = !one;
+        self.low += u64::from(bound & one);
+        self.range = (bound & zero) | (self.range.wrapping_sub(bound) & one);
+        let adapted = u32::from(adapted(p, rate, zero, one));
+        if bit != self.previous {
+            (self.current, self.other) = (self.other, adapted);
+        } else {
+            self.current = adapted;
+        }
+        self.previous = bit;
+        while self.range < TOP {
+            self.range <<= 8;
+            to.low = self.low;
+            to.shift_low();
+            self.low = to.low;
+        }
     }
 }
 
@@ -454,6 +511,21 @@ mod tests {
             let mut other = PROB_INIT;
             e.bit(&mut other, true, Rate::after(0));
             let out = e.finish();
+            // The encoder's twin, from the gaps, writes the same bytes.
+            let mut gaps = vec![0u32];
+            for &bit in &truth {
+                if bit {
+                    gaps.push(0);
+                } else {
+                    *gaps.last_mut().unwrap() += 1;
+                }
+            }
+            gaps.pop();
+            let mut twin = RangeEncoder::default();
+            twin.order1_flags(&gaps);
+            let mut other = PROB_INIT;
+            twin.bit(&mut other, true, Rate::after(0));
+            assert_eq!(twin.finish(), out, "density 1/{density}");
             let mut d = RangeDecoder::new(&out).unwrap();
             let changes = truth.iter().filter(|&&b| b).count() as u64;
             let mut words = Vec::new();
