@@ -607,8 +607,6 @@ fn coded_flags_estimate(gaps: &[u32], span: u64) -> f64 {
     entropy(change_then_change, change_then_same) + entropy(same_then_change, same_then_same) + 2.0 * ((span + 1) as f64).log2()
 }
 
-
-
 /// Always inlined into `encode_with`: left to the compiler, it became a
 /// function of its own once the rank kernels grew, and the context encode
 /// measured 4-8 % slower on the fp32-master pairs.
