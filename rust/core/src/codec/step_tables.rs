@@ -262,15 +262,26 @@ pub(super) fn encode(contexts: &[u16], magnitudes: &[u64], per_context: &[u64], 
     let mut raw = BitWriter::new();
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if width <= 4 && avx512::classify_available() {
-        let first_symbol: Vec<u32> = table_of.iter().map(|&t| u32::from(t) * nclass as u32).collect();
-        done = contexts.len() / LANES * LANES;
-        // Safety: `classify_available()`, and the magnitudes of words of
-        // at most 4 bytes are below 2^32.
-        #[allow(unsafe_code)]
-        unsafe {
-            avx512::classify(&contexts[..done], &magnitudes[..done], &first_symbol, &mut symbols[..done], &mut raw)
+    if width <= 4 {
+        type Kernel = unsafe fn(&[u16], &[u64], &[u32], &mut [u32], &mut BitWriter);
+        let kernel: Option<Kernel> = if avx512::classify_available() {
+            Some(avx512::classify)
+        } else if crate::codec::avx2_available() {
+            Some(avx2::classify)
+        } else {
+            None
         };
+        if let Some(kernel) = kernel {
+            let first_symbol: Vec<u32> = table_of.iter().map(|&t| u32::from(t) * nclass as u32).collect();
+            done = contexts.len() / LANES * LANES;
+            // Safety: the CPU has what the kernel needs (checked just
+            // above), and the magnitudes of words of at most 4 bytes are
+            // below 2^32.
+            #[allow(unsafe_code)]
+            unsafe {
+                kernel(&contexts[..done], &magnitudes[..done], &first_symbol, &mut symbols[..done], &mut raw)
+            };
+        }
     }
     for ((&c, &v), symbol) in contexts.iter().zip(magnitudes).zip(symbols.iter_mut()).skip(done) {
         let (class, bits) = class_of(v);
@@ -854,7 +865,7 @@ pub(super) mod avx512 {
 pub(super) mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{Decoder, CLASS_BITS, LANES, SCALE, SCALE_BITS, STATE_LOW};
+    use super::{BitWriter, Decoder, CLASS_BITS, LANES, SCALE, SCALE_BITS, STATE_LOW};
 
     // A state fell low when its top sixteen bits are zero.
     const _: () = assert!(STATE_LOW == 1 << 16);
@@ -892,6 +903,85 @@ pub(super) mod avx2 {
         }
         table
     };
+
+    /// `super::avx512::classify` eight changes at a time: each change's
+    /// symbol (its table's first plus the class of its magnitude) and its
+    /// raw bits, in change order. The bit length comes from the exponent
+    /// of each 16-bit half converted to a float (exact below 2^24); the
+    /// eight raw fields go to `raw` as one write where they fit in 56 bits
+    /// (nearly always), else one by one.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 (`codec::avx2_available`); every magnitude is below
+    /// 2^32 (words of at most 4 bytes); `contexts.len()` is a multiple of
+    /// 16.
+    #[target_feature(enable = "avx2")]
+    pub(in crate::codec) unsafe fn classify(contexts: &[u16], magnitudes: &[u64], first_symbol: &[u32], symbols: &mut [u32], raw: &mut BitWriter) {
+        let n = contexts.len();
+        assert!(
+            n.is_multiple_of(LANES) && magnitudes.len() == n && symbols.len() == n && !first_symbol.is_empty() && first_symbol.len() <= 1 << 16,
+            "whole groups, one magnitude and symbol per change, a table for every context"
+        );
+        debug_assert!(contexts.iter().all(|&c| usize::from(c) < first_symbol.len()));
+        // Every gather index in range without a pass over the contexts: the
+        // survey's contexts are below the model's count, which is
+        // `first_symbol.len()`.
+        let last_context = _mm256_set1_epi32(first_symbol.len() as i32 - 1);
+        let (zero, ones, twos) = (_mm256_setzero_si256(), _mm256_set1_epi32(1), _mm256_set1_epi32(2));
+        let low_halves = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+        let lane3 = _mm256_set1_epi32(3);
+        // The bit length of each lane (below 2^16): the exponent of its
+        // float, less the bias, plus one (nonsense for 0, never used).
+        let length16 = |x: __m256i| _mm256_sub_epi32(_mm256_srli_epi32::<23>(_mm256_castps_si256(_mm256_cvtepi32_ps(x))), _mm256_set1_epi32(126));
+        for ((contexts, magnitudes), symbols) in contexts.chunks_exact(8).zip(magnitudes.chunks_exact(8)).zip(symbols.chunks_exact_mut(8)) {
+            let context = _mm256_min_epu32(_mm256_cvtepu16_epi32(_mm_loadu_si128(contexts.as_ptr().cast())), last_context);
+            // The low halves of the eight 64-bit magnitudes.
+            let pick = |i: usize| _mm256_permutevar8x32_epi32(_mm256_loadu_si256(magnitudes.as_ptr().add(i).cast()), low_halves);
+            let v = _mm256_blend_epi32::<0xF0>(pick(0), pick(4));
+            let first = _mm256_i32gather_epi32::<4>(first_symbol.as_ptr().cast(), context);
+            // `class_of`: below 2 the magnitude itself, else twice its bit
+            // length less one plus the bit below its leading one.
+            let high = _mm256_srli_epi32::<16>(v);
+            let high_zero = _mm256_cmpeq_epi32(high, zero);
+            let length = _mm256_blendv_epi8(_mm256_add_epi32(length16(high), _mm256_set1_epi32(16)), length16(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF))), high_zero);
+            let below_top = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_sub_epi32(length, twos)), ones);
+            let class = _mm256_add_epi32(_mm256_add_epi32(length, length), _mm256_sub_epi32(below_top, twos));
+            let small = _mm256_cmpeq_epi32(_mm256_srli_epi32::<1>(v), zero);
+            let class = _mm256_blendv_epi8(class, v, small);
+            _mm256_storeu_si256(symbols.as_mut_ptr().cast(), _mm256_add_epi32(first, class));
+            // Classes from 4 up carry `class / 2 - 1` raw bits: the
+            // magnitude's bits below its top two.
+            let raw_lengths = _mm256_max_epi32(_mm256_sub_epi32(_mm256_srli_epi32::<1>(class), ones), zero);
+            if _mm256_testz_si256(raw_lengths, raw_lengths) != 0 {
+                continue;
+            }
+            let fields = _mm256_and_si256(v, _mm256_sub_epi32(_mm256_sllv_epi32(ones, raw_lengths), ones));
+            let mut sums = _mm256_add_epi32(raw_lengths, _mm256_slli_si256::<4>(raw_lengths));
+            sums = _mm256_add_epi32(sums, _mm256_slli_si256::<8>(sums));
+            sums = _mm256_add_epi32(sums, _mm256_blend_epi32::<0xF0>(zero, _mm256_permutevar8x32_epi32(sums, lane3)));
+            let total = _mm256_extract_epi32::<7>(sums) as u32;
+            if total <= 56 {
+                // Each field shifted to its offset in one 64-bit word.
+                let starts = _mm256_sub_epi32(sums, raw_lengths);
+                let half = |k: usize| {
+                    let take = |x: __m256i| if k == 0 { _mm256_castsi256_si128(x) } else { _mm256_extracti128_si256::<1>(x) };
+                    _mm256_sllv_epi64(_mm256_cvtepu32_epi64(take(fields)), _mm256_cvtepu32_epi64(take(starts)))
+                };
+                let both = _mm256_or_si256(half(0), half(1));
+                let pair = _mm_or_si128(_mm256_castsi256_si128(both), _mm256_extracti128_si256::<1>(both));
+                let word = (_mm_cvtsi128_si64(pair) | _mm_extract_epi64::<1>(pair)) as u64;
+                raw.put(word, total);
+            } else {
+                let mut lengths = [0u32; 8];
+                _mm256_storeu_si256(lengths.as_mut_ptr().cast(), raw_lengths);
+                for (&length, &m) in lengths.iter().zip(magnitudes) {
+                    if length > 0 {
+                        raw.put(m, length);
+                    }
+                }
+            }
+        }
+    }
 
     /// Changes per block of `decode_groups` (a whole number of groups).
     const BLOCK: usize = 256;
@@ -1090,32 +1180,53 @@ mod tests {
 
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn classify_kernel_matches_the_scalar_classes() {
-        if !avx512::classify_available() {
-            return;
+    fn classify_kernels_match_the_scalar_classes() {
+        type Kernel = unsafe fn(&[u16], &[u64], &[u32], &mut [u32], &mut BitWriter);
+        let mut kernels: Vec<(&str, Kernel)> = Vec::new();
+        if avx512::classify_available() {
+            kernels.push(("avx512", avx512::classify));
+        }
+        if crate::codec::avx2_available() {
+            kernels.push(("avx2", avx2::classify));
         }
         let mut next = xorshift(5);
-        let edges = [0u64, 1, 2, 3, 4, 5, 7, 8, (1 << 31) - 1, 1 << 31, u64::from(u32::MAX)];
-        let n = 16 * 40;
-        let magnitudes: Vec<u64> = (0..n).map(|i| if i % 3 == 0 { edges[i / 3 % edges.len()] } else { (next() & 0xFFFF_FFFF) >> (next() % 32) }).collect();
+        let edges = [0u64, 1, 2, 3, 4, 5, 7, 8, 0xFFFF, 0x1_0000, 0x1_FFFF, (1 << 24) - 1, 1 << 24, (1 << 31) - 1, 1 << 31, u64::from(u32::MAX)];
+        let n = 16 * 200;
+        // Runs of small magnitudes too, whose groups' raw bits fit one
+        // write, between groups of large ones, which do not.
+        let magnitudes: Vec<u64> = (0..n)
+            .map(|i| match i / 64 % 3 {
+                0 if i % 3 == 0 => edges[i / 3 % edges.len()],
+                0 => (next() & 0xFFFF_FFFF) >> (next() % 32),
+                1 => next() % 12,
+                _ => next() % 300,
+            })
+            .collect();
         let contexts: Vec<u16> = (0..n).map(|_| (next() % 5) as u16).collect();
         let first_symbol = [0u32, 64, 128, 192, 256];
-        let mut symbols = vec![0u32; n];
-        let mut raw = BitWriter::new();
-        // Safety: checked just above; the magnitudes are below 2^32.
-        #[allow(unsafe_code)]
-        unsafe {
-            avx512::classify(&contexts, &magnitudes, &first_symbol, &mut symbols, &mut raw)
-        };
         let mut expected_raw = BitWriter::new();
-        for j in 0..n {
-            let (class, bits) = class_of(magnitudes[j]);
-            assert_eq!(symbols[j], first_symbol[usize::from(contexts[j])] + class as u32, "magnitude {}", magnitudes[j]);
+        for &v in &magnitudes {
+            let (_, bits) = class_of(v);
             if bits > 0 {
-                put_wide(&mut expected_raw, magnitudes[j], bits);
+                put_wide(&mut expected_raw, v, bits);
             }
         }
-        assert_eq!(raw.finish(), expected_raw.finish());
+        let expected_raw = expected_raw.finish();
+        for (name, kernel) in kernels {
+            let mut symbols = vec![0u32; n];
+            let mut raw = BitWriter::new();
+            // Safety: the CPU has what the kernel needs (checked above);
+            // the magnitudes are below 2^32.
+            #[allow(unsafe_code)]
+            unsafe {
+                kernel(&contexts, &magnitudes, &first_symbol, &mut symbols, &mut raw)
+            };
+            for j in 0..n {
+                let (class, _) = class_of(magnitudes[j]);
+                assert_eq!(symbols[j], first_symbol[usize::from(contexts[j])] + class as u32, "{name}: magnitude {}", magnitudes[j]);
+            }
+            assert_eq!(raw.finish(), expected_raw, "{name}");
+        }
     }
 
     #[test]
