@@ -29,21 +29,14 @@ fn main() {
         let t = Instant::now();
         let mut enc = Vec::new();
         let encode_rounds = if std::env::var_os("ENCODE_ONLY").is_some() { 40 } else { 1 };
-        for _ in 1..encode_rounds {
+        for _ in 0..encode_rounds {
+            enc.clear();
             for (o, n) in ob.iter().zip(&nb) {
                 for (oc, nc) in o.chunks(chunk).zip(n.chunks(chunk)) {
                     let ch = codec::find_changes(oc, nc, width, ChangeKind::Xor).unwrap();
                     if !ch.positions.is_empty() {
-                        std::hint::black_box(context::encode(oc, nc, &ch, &model, 1));
+                        enc.push((oc, ch.positions.len(), context::encode(oc, nc, &ch, &model, 1)));
                     }
-                }
-            }
-        }
-        for (o, n) in ob.iter().zip(&nb) {
-            for (oc, nc) in o.chunks(chunk).zip(n.chunks(chunk)) {
-                let ch = codec::find_changes(oc, nc, width, ChangeKind::Xor).unwrap();
-                if !ch.positions.is_empty() {
-                    enc.push((oc, ch.positions.len(), context::encode(oc, nc, &ch, &model, 1)));
                 }
             }
         }

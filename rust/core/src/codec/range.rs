@@ -124,7 +124,7 @@ impl RangeEncoder {
     /// one count. What `RangeDecoder::order1_flags` reads; the coder's
     /// range and low and both probabilities kept in locals, as there.
     pub fn order1_flags(&mut self, gaps: &[u32]) {
-        let mut flags = Order1Writer { range: self.range, low: self.low, current: u32::from(PROB_INIT), other: u32::from(PROB_INIT), previous: false, count: 0 };
+        let mut flags = Order1Writer { range: self.range, low: self.low, probs: Order1Probs::new(), count: 0 };
         for &gap in gaps {
             for _ in 0..gap {
                 flags.code(self, false);
@@ -296,7 +296,7 @@ impl<'a> RangeDecoder<'a> {
     /// a probability indexed in memory put the previous decision's stores
     /// on the next one's chain (about 20 cycles per decision).
     pub fn order1_flags(&mut self, changes: u64, max_flags: u64, words: &mut Vec<u64>) -> Option<u64> {
-        let mut flags = Order1 { range: self.range, code: self.code, pos: self.pos, current: u32::from(PROB_INIT), other: u32::from(PROB_INIT), previous: false };
+        let mut flags = Order1 { range: self.range, code: self.code, pos: self.pos, probs: Order1Probs::new() };
         let (mut left, mut rank) = (changes, 0u64);
         let mut result = Some(0);
         while left > 0 {
@@ -336,37 +336,57 @@ impl<'a> RangeDecoder<'a> {
     }
 }
 
-/// The state of `RangeEncoder::order1_flags`: the coder's range and low,
-/// the probability the `previous` flag chose (`current`) and the other,
-/// and the flags coded so far (up to `SETTLED_AFTER`).
-struct Order1Writer {
-    range: u32,
-    low: u64,
+/// The two probabilities of an order-1 run of flags: the one the previous
+/// flag chose (`current`) and the other.
+struct Order1Probs {
     current: u32,
     other: u32,
     previous: bool,
-    count: u16,
 }
 
-impl Order1Writer {
-    /// `RangeEncoder::bit_unpredictable` of `bit` on `current`, the
-    /// encoder's bytes written through `to`.
+impl Order1Probs {
+    fn new() -> Self {
+        Order1Probs { current: u32::from(PROB_INIT), other: u32::from(PROB_INIT), previous: false }
+    }
+
+    /// After a flag `bit` coded on `current`, adapted to `adapted`: a
+    /// change chooses the other probability next when the last flag was no
+    /// change, and the other way round (the one just adapted becomes
+    /// `other`). Selected, not indexed, so both stay in registers.
     #[inline(always)]
-    fn code(&mut self, to: &mut RangeEncoder, bit: bool) {
-        let rate = if self.count < SETTLED_AFTER { Rate::advance(&mut self.count) } else { Rate::SETTLED };
-        let p = self.current;
-        let bound = (self.range >> PROB_BITS) * p;
-        let one = u32::from(bit).wrapping_neg();
-        let zero = !one;
-        self.low += u64::from(bound & one);
-        self.range = (bound & zero) | (self.range.wrapping_sub(bound) & one);
-        let adapted = u32::from(adapted(p, rate, zero, one));
+    fn update(&mut self, bit: bool, adapted: u32) {
         if bit != self.previous {
             (self.current, self.other) = (self.other, adapted);
         } else {
             self.current = adapted;
         }
         self.previous = bit;
+    }
+}
+
+/// The state of `RangeEncoder::order1_flags`: the coder's range and low,
+/// the two probabilities, and the flags coded so far (up to
+/// `SETTLED_AFTER`).
+struct Order1Writer {
+    range: u32,
+    low: u64,
+    probs: Order1Probs,
+    count: u16,
+}
+
+impl Order1Writer {
+    /// `RangeEncoder::bit_unpredictable` of `bit` on the current
+    /// probability, the encoder's bytes written through `to`.
+    #[inline(always)]
+    fn code(&mut self, to: &mut RangeEncoder, bit: bool) {
+        let rate = if self.count < SETTLED_AFTER { Rate::advance(&mut self.count) } else { Rate::SETTLED };
+        let p = self.probs.current;
+        let bound = (self.range >> PROB_BITS) * p;
+        let one = u32::from(bit).wrapping_neg();
+        let zero = !one;
+        self.low += u64::from(bound & one);
+        self.range = (bound & zero) | (self.range.wrapping_sub(bound) & one);
+        self.probs.update(bit, u32::from(adapted(p, rate, zero, one)));
         while self.range < TOP {
             self.range <<= 8;
             to.low = self.low;
@@ -376,15 +396,13 @@ impl Order1Writer {
     }
 }
 
-/// The state of `RangeDecoder::order1_flags`: the coder's, and the
-/// probability the `previous` decision chose (`current`) and the other.
+/// The state of `RangeDecoder::order1_flags`: the coder's, and the two
+/// probabilities.
 struct Order1 {
     range: u32,
     code: u32,
     pos: usize,
-    current: u32,
-    other: u32,
-    previous: bool,
+    probs: Order1Probs,
 }
 
 impl Order1 {
@@ -395,23 +413,14 @@ impl Order1 {
         let mut word = 0u64;
         let mut i = 0;
         while i < n && *left > 0 {
-            let p = self.current;
+            let p = self.probs.current;
             let bound = (self.range >> PROB_BITS) * p;
             let bit = self.code >= bound;
             let one = u32::from(bit).wrapping_neg();
             let zero = !one;
             self.range = (bound & zero) | (self.range.wrapping_sub(bound) & one);
             self.code = self.code.wrapping_sub(bound & one);
-            let adapted = u32::from(adapted(p, rate(i as u16), zero, one));
-            // A change chooses the other probability next when the last
-            // decision was no change, and the other way round; the one
-            // just adapted becomes `other`.
-            if bit != self.previous {
-                (self.current, self.other) = (self.other, adapted);
-            } else {
-                self.current = adapted;
-            }
-            self.previous = bit;
+            self.probs.update(bit, u32::from(adapted(p, rate(i as u16), zero, one)));
             word |= u64::from(bit) << i;
             *left -= u64::from(bit);
             i += 1;
