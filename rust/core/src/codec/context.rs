@@ -1208,6 +1208,62 @@ mod tests {
         }
     }
 
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn step_group_kernels_agree() {
+        // Each group kernel this CPU runs decodes the table-coded steps of
+        // a chunk into the true values, both change kinds; the scalar
+        // decoder (`Decoder::decode`) is the one the others are held to.
+        let mut next = super::super::tests::xorshift(0x9e37_79b9_7f4a_7c15);
+        let dtypes = [(Dtype::BF16, 2), (Dtype::F16, 2), (Dtype::F32, 4), (Dtype::F8_E4M3, 1), (Dtype::I16, 2), (Dtype::U8, 1)];
+        for (dtype, width) in dtypes {
+            let model = ContextModel::for_dtype(DType(dtype));
+            for (n, every, far) in [(300usize, 2u64, false), (4099, 3, true), (20_000, 5, false), (20_000, 7, true)] {
+                let old = float_like_words(&mut next, n, width);
+                let mut new = old.clone();
+                for i in 0..n {
+                    if next().is_multiple_of(every) {
+                        // A few ulps, or (`far`) anywhere: raw bits of
+                        // every length.
+                        let o = read_word(&old[i * width..][..width]);
+                        let step = if far && next().is_multiple_of(3) { next() >> (64 - 8 * width) } else { next() % 9 };
+                        let word = model.word_of_ordinal((model.ordinal(o).wrapping_add(step.max(1))) & model.word_mask());
+                        new[i * width..][..width].copy_from_slice(&word.to_le_bytes()[..width]);
+                    }
+                }
+                let found = super::super::find_changes(&old, &new, width, ChangeKind::Xor).unwrap();
+                let m = found.positions.len();
+                let payload = encode_with(&old, &new, &found, &model, 1, StepCoding::Tables);
+                let parsed = parse(&payload, n, m, model.contexts(), "t").unwrap();
+                let sections = parsed.tables.as_ref().expect("table-coded steps");
+                let scalar = {
+                    let mut d = step_tables::Decoder::new(sections, model.contexts(), width, "t").unwrap();
+                    found.positions.iter().enumerate().map(|(j, &p)| d.decode(j % step_tables::LANES, model.context(read_word(&old[p as usize * width..][..width])))).collect::<Vec<u64>>()
+                };
+                let truth: Vec<u64> = found.positions.iter().map(|&p| read_word(&new[p as usize * width..][..width])).collect();
+                for (j, &p) in found.positions.iter().enumerate() {
+                    let o = read_word(&old[p as usize * width..][..width]);
+                    let step = signed_step(scalar[j], sign_bit(parsed.signs, j));
+                    assert_eq!(model.apply_step(o, step), truth[j], "the scalar decoder, {dtype:?}");
+                }
+                let d = step_tables::Decoder::new(sections, model.contexts(), width, "t").unwrap();
+                for kernel in step_tables::group_kernels_here(&d) {
+                    for xor in [false, true] {
+                        let mut d = step_tables::Decoder::new(sections, model.contexts(), width, "t").unwrap();
+                        let mut values = vec![0u64; m];
+                        let (done, unchanged) = step_tables::decode_leading_groups_with(kernel, &mut d, &old, width, &found.positions, parsed.signs, model.step_model32(), xor, &mut values);
+                        assert!(!unchanged && done % 16 == 0 && done + 32 >= m, "{kernel:?}: {done} of {m} changes");
+                        for j in 0..done {
+                            let o = read_word(&old[found.positions[j] as usize * width..][..width]);
+                            let want = if xor { o ^ truth[j] } else { truth[j] };
+                            assert_eq!(values[j], want, "{kernel:?}, {dtype:?}, change {j} of {m}, xor {xor}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// A bf16 chunk where the smallest values change in runs (their flags
     /// are range-coded) and the larger ones rarely (Rice codes): both
     /// position modes appear in the table, and both decoders give back the

@@ -618,15 +618,42 @@ impl Decoder {
     }
 }
 
+/// The vector kernels that decode table-coded steps in groups of sixteen.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum GroupKernel {
+    /// `avx512::decode_groups_vbmi`: tables by byte permutes.
+    Avx512Vbmi,
+    /// `avx512::decode_groups`: tables gathered.
+    Avx512,
+    /// `avx2::decode_groups`: eight lanes at a time.
+    Avx2,
+}
+
+/// The group kernels this CPU runs for `steps`, widest first.
+#[cfg(target_arch = "x86_64")]
+pub(super) fn group_kernels_here(steps: &Decoder) -> Vec<GroupKernel> {
+    let mut kernels = Vec::new();
+    if avx512::vbmi_available(steps) {
+        kernels.push(GroupKernel::Avx512Vbmi);
+    }
+    if avx512::available() {
+        kernels.push(GroupKernel::Avx512);
+    }
+    if crate::codec::avx2_available() {
+        kernels.push(GroupKernel::Avx2);
+    }
+    kernels
+}
+
 /// Decode the steps of the leading changes at `positions` (the next of
 /// the stream, against the chunk `old` of `width`-byte words; signs from
 /// bit `j % 8` of `signs[j / 8]`) into `values`, with the widest vector
-/// kernel this CPU runs (`avx512`, else `avx2`), in whole groups of
-/// sixteen. Returns how many changes it took (none where no kernel runs
-/// or fits) and whether one of them leaves its element as it was (a
-/// corrupt payload); `Decoder::step` takes the rest.
+/// kernel this CPU runs, in whole groups of sixteen. Returns how many
+/// changes it took (none where no kernel runs or fits) and whether one of
+/// them leaves its element as it was (a corrupt payload); `Decoder::step`
+/// takes the rest.
 #[cfg(target_arch = "x86_64")]
-#[allow(unsafe_code)]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn decode_leading_groups(
     steps: &mut Decoder,
@@ -638,14 +665,35 @@ pub(super) fn decode_leading_groups(
     xor: bool,
     values: &mut [u64],
 ) -> (usize, bool) {
+    match group_kernels_here(steps).first() {
+        Some(&kernel) => decode_leading_groups_with(kernel, steps, old, width, positions, signs, model, xor, values),
+        None => (0, false),
+    }
+}
+
+/// `decode_leading_groups` with a given kernel, one of
+/// `group_kernels_here` (the tests hold each to `Decoder::step`).
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn decode_leading_groups_with(
+    kernel: GroupKernel,
+    steps: &mut Decoder,
+    old: &[u8],
+    width: usize,
+    positions: &[u32],
+    signs: &[u8],
+    model: crate::codec::gather_x86::StepModel32,
+    xor: bool,
+    values: &mut [u64],
+) -> (usize, bool) {
+    assert!(group_kernels_here(steps).contains(&kernel), "the caller picks a kernel this CPU runs");
     type Kernel = unsafe fn(&mut Decoder, &[u8], &[u32], &[u8], crate::codec::gather_x86::StepModel32, bool, &mut [u64]) -> bool;
-    let (head, kernels): (usize, [Kernel; 3]) = if avx512::available() {
-        let head = crate::codec::gather_x86::kernel_prefix(positions, width, old.len(), 0) / LANES * LANES;
-        (head, [avx512::decode_groups::<1>, avx512::decode_groups::<2>, avx512::decode_groups::<4>])
-    } else if crate::codec::avx2_available() {
-        (avx2::kernel_prefix(positions, width, old.len()), [avx2::decode_groups::<1>, avx2::decode_groups::<2>, avx2::decode_groups::<4>])
-    } else {
-        return (0, false);
+    let wide_head = || crate::codec::gather_x86::kernel_prefix(positions, width, old.len(), 0) / LANES * LANES;
+    let (head, kernels): (usize, [Kernel; 3]) = match kernel {
+        GroupKernel::Avx512Vbmi => (wide_head(), [avx512::decode_groups_vbmi::<1>, avx512::decode_groups_vbmi::<2>, avx512::decode_groups_vbmi::<4>]),
+        GroupKernel::Avx512 => (wide_head(), [avx512::decode_groups::<1>, avx512::decode_groups::<2>, avx512::decode_groups::<4>]),
+        GroupKernel::Avx2 => (avx2::kernel_prefix(positions, width, old.len()), [avx2::decode_groups::<1>, avx2::decode_groups::<2>, avx2::decode_groups::<4>]),
     };
     if head == 0 {
         return (0, false);
@@ -675,11 +723,14 @@ fn check_groups(steps: &Decoder, positions: &[u32], signs: &[u8], model: crate::
 }
 
 /// AVX-512 decoding of table-coded steps, sixteen changes per step, one
-/// per rANS state: each change's old word, context, table and slot entry
-/// gathered, the sixteen renormalisations fed by one expand of the next
-/// words, the raw bits found from a prefix sum of their lengths, and the
-/// new words made in the words' high bits (as `gather_x86::survey_steps`
-/// makes the steps). `Decoder::step` is the reference the tests hold it to.
+/// per rANS state: per block of changes, first each change's old word and
+/// table (gathered, or with VBMI looked up by byte permutes), then the
+/// states' chain, which gathers each change's slot entry; the sixteen
+/// renormalisations fed by one expand of the next words, the raw bits
+/// found from a prefix sum of their lengths (out of one 64-bit load per
+/// eight lanes where they fit), and the new words made in the words' high
+/// bits (as `gather_x86::survey_steps` makes the steps). `Decoder::step`
+/// is the reference the tests hold it to.
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 pub(super) mod avx512 {
@@ -690,6 +741,11 @@ pub(super) mod avx512 {
     use super::{class_of, Decoder, LANES, SCALE, SCALE_BITS, SLOT_CLASS_PADDING, STATE_LOW};
     use crate::codec::bits::BitWriter;
     use crate::codec::gather_x86::{self, gather_words, store_widened, HighWords, StepModel32};
+
+    /// Changes per block of `decode_groups`: their old words and tables
+    /// are gathered first, then their states' chain runs.
+    const BLOCK: usize = 256;
+    const _: () = assert!(BLOCK.is_multiple_of(LANES));
 
     /// Whether this CPU runs `decode_groups`.
     pub(in crate::codec) fn available() -> bool {
@@ -767,6 +823,30 @@ pub(super) mod avx512 {
         _mm512_cvtepi64_epi32(_mm512_and_si512(_mm512_srlv_epi64(words, shift), mask))
     }
 
+    /// Eight lanes' raw bits, `bits` of them in all from bit `base + from`
+    /// of `raw`: lane `k` takes `lengths[k]` bits at `base + starts[k]`.
+    #[inline(always)]
+    unsafe fn raw_half(raw: &[u8], base: usize, from: usize, bits: usize, starts: __m256i, lengths: __m256i) -> __m256i {
+        if bits <= 56 {
+            raw_window8(raw, base + from, _mm256_sub_epi32(starts, _mm256_set1_epi32(from as i32)), lengths)
+        } else {
+            raw_bits8(raw, _mm256_add_epi32(_mm256_set1_epi32(base as i32), starts), lengths)
+        }
+    }
+
+    /// `raw_bits8` where the eight fields lie within the 56 bits from bit
+    /// `from` of `raw`: lane `k` takes `bits[k]` bits at `from + at[k]`,
+    /// all out of one 64-bit load (clamped as `raw_bits8` clamps).
+    #[inline(always)]
+    unsafe fn raw_window8(raw: &[u8], from: usize, at: __m256i, bits: __m256i) -> __m256i {
+        let byte = (from / 8).min(raw.len() - 8);
+        // Safety: `raw` holds eight bytes from `byte`.
+        let window = u64::from_le_bytes(unsafe { raw.get_unchecked(byte..byte + 8) }.try_into().expect("8 bytes")) >> (from % 8);
+        let one = _mm512_set1_epi64(1);
+        let mask = _mm512_sub_epi64(_mm512_sllv_epi64(one, _mm512_cvtepu32_epi64(bits)), one);
+        _mm512_cvtepi64_epi32(_mm512_and_si512(_mm512_srlv_epi64(_mm512_set1_epi64(window as i64), _mm512_cvtepu32_epi64(at)), mask))
+    }
+
     /// Decode the steps of the changes at `positions` (a whole number of
     /// groups of sixteen, the next of the stream) against `old`, their signs
     /// from bit `j % 8` of `signs[j / 8]`, into `values` (XOR masks, or the
@@ -786,7 +866,54 @@ pub(super) mod avx512 {
         xor: bool,
         values: &mut [u64],
     ) -> bool {
+        // Safety: the caller's CPU has what this needs.
+        unsafe { groups::<W, false>(steps, old, positions, signs, model, xor, values) }
+    }
+
+    /// `decode_groups` with each change's table by byte permutes of a
+    /// table of 256 bytes instead of a gather: may only run where
+    /// `vbmi_available(steps)`.
+    ///
+    /// # Safety
+    /// As for `decode_groups`, and the CPU has AVX-512 VBMI.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
+    pub(in crate::codec) unsafe fn decode_groups_vbmi<const W: i32>(
+        steps: &mut Decoder,
+        old: &[u8],
+        positions: &[u32],
+        signs: &[u8],
+        model: StepModel32,
+        xor: bool,
+        values: &mut [u64],
+    ) -> bool {
+        // Safety: the caller's CPU has what this needs.
+        unsafe { groups::<W, true>(steps, old, positions, signs, model, xor, values) }
+    }
+
+    /// Whether `decode_groups_vbmi` can run here for `steps`: the CPU has
+    /// AVX-512 VBMI and every context's table fits in a byte.
+    pub(in crate::codec) fn vbmi_available(steps: &Decoder) -> bool {
+        crate::codec::x86::vbmi_available() && steps.table_of.len() <= 256 && steps.table_of.iter().all(|&t| t <= 0xFF)
+    }
+
+    /// The body of both AVX-512 step decoders, inlined into each.
+    #[inline(always)]
+    unsafe fn groups<const W: i32, const VBMI: bool>(
+        steps: &mut Decoder,
+        old: &[u8],
+        positions: &[u32],
+        signs: &[u8],
+        model: StepModel32,
+        xor: bool,
+        values: &mut [u64],
+    ) -> bool {
         super::check_groups(steps, positions, signs, model, values);
+        // Each context's table as a byte, four vectors of 64 (VBMI).
+        let mut by_byte = [_mm512_setzero_si512(); 4];
+        if VBMI {
+            let table_bytes: [u8; 256] = std::array::from_fn(|c| steps.table_of.get(c).map_or(0, |&t| t as u8));
+            by_byte = std::array::from_fn(|i| _mm512_loadu_si512(table_bytes.as_ptr().add(64 * i).cast()));
+        }
         assert_eq!(steps.slots.len() + SLOT_CLASS_PADDING, steps.slot_class.len(), "the decoder built the wide slot entries");
         // Each context's table, as the first of its slots.
         let table_of: Vec<u32> = steps.table_of.iter().map(|&t| u32::from(t) << SCALE_BITS).collect();
@@ -805,11 +932,32 @@ pub(super) mod avx512 {
         let mut x = _mm512_loadu_si512(steps.states.as_ptr().cast());
         let (mut pos, mut bit) = (steps.pos, steps.raw.bit);
         let mut unchanged: __mmask16 = 0;
-        for (g, (group, out)) in positions.chunks_exact(LANES).zip(values.chunks_exact_mut(LANES)).enumerate() {
-            let vp = _mm512_loadu_si512(group.as_ptr().cast());
-            let vo = gather_words::<W>(old.as_ptr(), 0xFFFF, vp);
-            let context = _mm512_and_si512(_mm512_srl_epi32(vo, shift), context_mask);
-            let table = _mm512_i32gather_epi32::<4>(context, table_of.as_ptr().cast());
+        // Per block of changes, first their old words and tables (gathers
+        // that do not wait on the states, so that many are in flight),
+        // then the states' chain, which waits on one gather per group.
+        let (mut olds, mut tables) = ([0u32; BLOCK], [0u32; BLOCK]);
+        for (b, block) in positions.chunks(BLOCK).enumerate() {
+            for (k, group) in block.chunks_exact(LANES).enumerate() {
+                let vp = _mm512_loadu_si512(group.as_ptr().cast());
+                let vo = gather_words::<W>(old.as_ptr(), 0xFFFF, vp);
+                let context = _mm512_and_si512(_mm512_srl_epi32(vo, shift), context_mask);
+                _mm512_storeu_si512(olds.as_mut_ptr().add(LANES * k).cast(), vo);
+                let table = if VBMI {
+                    // Each byte of `context` looked up; the low one is
+                    // the context (below 256), the others are zero.
+                    let low = _mm512_permutex2var_epi8(by_byte[0], context, by_byte[1]);
+                    let high = _mm512_permutex2var_epi8(by_byte[2], context, by_byte[3]);
+                    let table = _mm512_and_si512(_mm512_mask_blend_epi8(_mm512_movepi8_mask(context), low, high), _mm512_set1_epi32(0xFF));
+                    _mm512_slli_epi32::<SCALE_BITS>(table)
+                } else {
+                    _mm512_i32gather_epi32::<4>(context, table_of.as_ptr().cast())
+                };
+                _mm512_storeu_si512(tables.as_mut_ptr().add(LANES * k).cast(), table);
+            }
+        for (k, out) in values[b * BLOCK..][..block.len()].chunks_exact_mut(LANES).enumerate() {
+            let g = b * (BLOCK / LANES) + k;
+            let vo = _mm512_loadu_si512(olds.as_ptr().add(LANES * k).cast());
+            let table = _mm512_loadu_si512(tables.as_ptr().add(LANES * k).cast());
             let entry = _mm512_i32gather_epi32::<4>(_mm512_or_si512(table, _mm512_and_si512(x, low12)), steps.slots.as_ptr().cast());
             let class = _mm512_srli_epi32::<24>(entry);
             let frequency = _mm512_add_epi32(_mm512_and_si512(entry, low12), ones);
@@ -826,13 +974,19 @@ pub(super) mod avx512 {
             let raw_lengths = _mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32::<1>(class), ones), zero);
             let mut below = zero;
             if _mm512_test_epi32_mask(raw_lengths, raw_lengths) != 0 {
-                let base = bit.min(raw_end) as i32;
-                let at = _mm512_add_epi32(_mm512_set1_epi32(base), _mm512_sub_epi32(prefix_sum(raw_lengths), raw_lengths));
-                let half = |v: __m512i, k: usize| if k == 0 { _mm512_castsi512_si256(v) } else { _mm512_extracti64x4_epi64::<1>(v) };
-                let low_half = raw_bits8(raw, half(at, 0), half(raw_lengths, 0));
-                let high_half = raw_bits8(raw, half(at, 1), half(raw_lengths, 1));
+                let base = bit.min(raw_end);
+                let sums = prefix_sum(raw_lengths);
+                let starts = _mm512_sub_epi32(sums, raw_lengths);
+                // The raw bits of the first eight lanes, and of all sixteen.
+                let first = _mm_extract_epi32::<3>(_mm512_extracti32x4_epi32::<1>(sums)) as usize;
+                let total = _mm_extract_epi32::<3>(_mm512_extracti32x4_epi32::<3>(sums)) as usize;
+                // Each half's bits from the one 64-bit load at its first
+                // bit where they fit in 56 (nearly always), else gathered,
+                // each lane's from its own byte.
+                let low_half = raw_half(raw, base, 0, first, _mm512_castsi512_si256(starts), _mm512_castsi512_si256(raw_lengths));
+                let high_half = raw_half(raw, base, first, total - first, _mm512_extracti64x4_epi64::<1>(starts), _mm512_extracti64x4_epi64::<1>(raw_lengths));
                 below = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(low_half), high_half);
-                bit += _mm512_reduce_add_epi32(raw_lengths) as usize;
+                bit += total;
             }
             // The magnitude: the class itself below 2, else its top two
             // bits shifted over the raw ones (`magnitude`).
@@ -845,6 +999,7 @@ pub(super) mod avx512 {
             unchanged |= _mm512_cmpeq_epi32_mask(new, vo);
             let value = if xor { _mm512_xor_si512(vo, new) } else { new };
             store_widened(out.as_mut_ptr(), 0xFFFF, value);
+        }
         }
         _mm512_storeu_si512(steps.states.as_mut_ptr().cast(), x);
         steps.pos = pos;

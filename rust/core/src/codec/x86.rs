@@ -152,6 +152,8 @@ pub(super) fn expand_with<T: Word>(
 ) {
     assert!(available() && model.contexts() <= 256 && T::BYTES <= 4, "the caller checks the CPU and the model");
     let walk = Walk::new(model, buckets);
+    // The chunk's changes per 64 elements.
+    let per_block = 64 * positions.len().saturating_sub(SPARE) / (old.len() / T::BYTES).max(1);
     match kernel {
         // Safety: the CPU has the features `expand_avx2` is compiled for
         // (checked just above).
@@ -163,19 +165,26 @@ pub(super) fn expand_with<T: Word>(
             // fp32m 10->15 (6 changes per block) 12 took 5 % fewer samples
             // of the expansion than 8 and 10 % fewer than 16; on 12->15
             // (4 per block) 8 took 17 % fewer than 16.
-            let per_block = 64 * positions.len().saturating_sub(SPARE) / (old.len() / T::BYTES).max(1);
             match per_block {
                 0..2 => unsafe { expand_avx2::<T, 4>(old, &walk, listed, maps, positions) },
                 2..5 => unsafe { expand_avx2::<T, 8>(old, &walk, listed, maps, positions) },
                 _ => unsafe { expand_avx2::<T, 12>(old, &walk, listed, maps, positions) },
             }
         }
+        // Positions by compresses from two changes per 64 elements up: on
+        // fp32m 10->15 (6 per 64) that took 15 % fewer of the expansion's
+        // samples than a write per change (Zen 4), on 10->11 (2 per 64)
+        // about as many, and on sparser chunks more.
         Kernel::Avx512 => {
             assert!(wide_available(), "the caller checks the CPU");
             // Safety: checked just above.
             #[allow(unsafe_code)]
             unsafe {
-                expand_avx512::<T, LANES>(old, &walk, listed, maps, positions)
+                if per_block >= 2 {
+                    expand_avx512::<T, LANES, true>(old, &walk, listed, maps, positions)
+                } else {
+                    expand_avx512::<T, LANES, false>(old, &walk, listed, maps, positions)
+                }
             }
         }
         Kernel::Avx512Vbmi => {
@@ -183,7 +192,11 @@ pub(super) fn expand_with<T: Word>(
             // Safety: checked just above.
             #[allow(unsafe_code)]
             unsafe {
-                expand_avx512_vbmi::<T, LANES>(old, &walk, listed, maps, positions)
+                if per_block >= 2 {
+                    expand_avx512_vbmi::<T, LANES, true>(old, &walk, listed, maps, positions)
+                } else {
+                    expand_avx512_vbmi::<T, LANES, false>(old, &walk, listed, maps, positions)
+                }
             }
         }
     }
@@ -269,24 +282,48 @@ fn write_positions<const U: usize>(at: &mut [u32], start: usize, mut changed: u6
     found
 }
 
+/// `write_positions` by sixteen-lane compresses: each sixteen flags of
+/// `changed` select their positions, written as a whole vector (the
+/// surplus is overwritten or cut off). Returns how many.
+///
+/// # Safety
+/// The CPU must have AVX-512 F.
+#[allow(unsafe_code)]
+#[inline(always)]
+unsafe fn compress_positions(at: &mut [u32], start: usize, changed: u64) -> usize {
+    const { assert!(SPARE >= 64) };
+    assert!(at.len() >= 64);
+    let iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    let mut count = 0usize;
+    for part in 0..4 {
+        let flags = (changed >> (16 * part)) as u16;
+        let lanes = _mm512_add_epi32(iota, _mm512_set1_epi32((start + 16 * part) as i32));
+        // Safety: `count` stays at most 16 * part, so the 16 lanes fit in
+        // the 64 slots asserted above.
+        unsafe { _mm512_storeu_si512(at.as_mut_ptr().add(count).cast(), _mm512_maskz_compress_epi32(flags, lanes)) };
+        count += flags.count_ones() as usize;
+    }
+    count
+}
+
 /// Compiled with AVX-512 F/BW and BMI2: may only run where
 /// `wide_available()`. The same walk as `expand_avx2`, by blocks of
 /// `64 * L` elements: per bucket present, one compare per 64 elements
 /// straight into a mask, and one deposit.
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f,avx512bw,avx2,bmi1,bmi2,popcnt")]
-unsafe fn expand_avx512<T: Word, const L: usize>(old: &[u8], walk: &Walk, listed: &[usize], maps: &RankBitmaps, positions: &mut Vec<u32>) {
+unsafe fn expand_avx512<T: Word, const L: usize, const COMPRESS: bool>(old: &[u8], walk: &Walk, listed: &[usize], maps: &RankBitmaps, positions: &mut Vec<u32>) {
     // Safety: the caller's CPU has these features.
-    unsafe { expand_blocks::<T, L, false>(old, walk, listed, maps, positions) }
+    unsafe { expand_blocks::<T, L, false, COMPRESS>(old, walk, listed, maps, positions) }
 }
 
 /// `expand_avx512` with the bucket ids by table lookup: may only run where
 /// `vbmi_available()`.
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx2,bmi1,bmi2,popcnt")]
-unsafe fn expand_avx512_vbmi<T: Word, const L: usize>(old: &[u8], walk: &Walk, listed: &[usize], maps: &RankBitmaps, positions: &mut Vec<u32>) {
+unsafe fn expand_avx512_vbmi<T: Word, const L: usize, const COMPRESS: bool>(old: &[u8], walk: &Walk, listed: &[usize], maps: &RankBitmaps, positions: &mut Vec<u32>) {
     // Safety: the caller's CPU has these features.
-    unsafe { expand_blocks::<T, L, true>(old, walk, listed, maps, positions) }
+    unsafe { expand_blocks::<T, L, true, COMPRESS>(old, walk, listed, maps, positions) }
 }
 
 /// The body of the AVX-512 expansions, inlined into each (`VBMI`: the
@@ -297,7 +334,7 @@ unsafe fn expand_avx512_vbmi<T: Word, const L: usize>(old: &[u8], walk: &Walk, l
 /// VBMI when `VBMI`.
 #[allow(unsafe_code)]
 #[inline(always)]
-unsafe fn expand_blocks<T: Word, const L: usize, const VBMI: bool>(
+unsafe fn expand_blocks<T: Word, const L: usize, const VBMI: bool, const COMPRESS: bool>(
     old: &[u8],
     walk: &Walk,
     listed: &[usize],
@@ -336,7 +373,13 @@ unsafe fn expand_blocks<T: Word, const L: usize, const VBMI: bool>(
         // At most the listed total is ever found (each bitmap bit is taken
         // once), so `SPARE` slots past it suffice for each part.
         for (lane, &bits) in changed.iter().enumerate() {
-            count += write_positions::<4>(&mut positions[count..count + SPARE], start + 64 * lane, bits);
+            let at = &mut positions[count..count + SPARE];
+            count += if COMPRESS {
+                // Safety: the CPU has AVX-512 F (the caller's).
+                unsafe { compress_positions(at, start + 64 * lane, bits) }
+            } else {
+                write_positions::<4>(at, start + 64 * lane, bits)
+            };
         }
     }
     positions.truncate(count);
