@@ -517,21 +517,33 @@ impl BucketGaps {
         BucketGaps { gaps: vec![0; total], start, span: vec![0; per_bucket.len()] }
     }
 
-    /// Take the next change of bucket `b`, whose rank is `rank`; `at` is
-    /// the bucket's next free slot.
+    /// Take the next change of its bucket, whose rank is `rank`; `at` is
+    /// the bucket's next free slot. The ranks become gaps in `finish`: a
+    /// gap made here would wait on the bucket's change before, through
+    /// memory, wherever a bucket's changes follow each other.
     #[inline(always)]
-    pub(super) fn take(&mut self, b: usize, at: &mut usize, rank: u32) {
-        self.gaps[*at] = rank - self.span[b];
+    pub(super) fn take(&mut self, at: &mut usize, rank: u32) {
+        self.gaps[*at] = rank;
         *at += 1;
-        self.span[b] = rank + 1;
     }
 
-    /// Check that every bucket took the changes it was sized for.
-    pub(super) fn check_complete(&self, at: &[usize]) {
+    /// Check that every bucket took the changes it was sized for (`at`:
+    /// each bucket's next free slot), then turn each bucket's ranks into
+    /// gaps and note its span.
+    pub(super) fn finish(&mut self, at: &[usize]) {
         assert!(
             at.iter().zip(&self.start[1..]).all(|(a, end)| a == end),
             "the changes per bucket match the positions"
         );
+        for (b, span) in self.span.iter_mut().enumerate() {
+            let mut next = 0u32; // the rank after the change before
+            for slot in &mut self.gaps[self.start[b]..self.start[b + 1]] {
+                let rank = *slot;
+                *slot = rank - next;
+                next = rank + 1;
+            }
+            *span = next;
+        }
     }
 
     fn of(&self, b: usize) -> &[u32] {
@@ -563,11 +575,11 @@ fn bucket_gaps_reference<T: Word>(old: &[u8], model: &ContextModel, buckets: &Bu
             seen[bucket(word)] += 1;
         }
         let b = bucket(&old[p * w..(p + 1) * w]);
-        out.take(b, &mut at[b], seen[b]);
+        out.take(&mut at[b], seen[b]);
         seen[b] += 1;
         run_start = p + 1;
     }
-    out.check_complete(&at);
+    out.finish(&at);
     out
 }
 

@@ -794,11 +794,11 @@ impl<const L: usize> GapWalker<L> {
         let (lane, bit) = (j / 64, j % 64);
         let below = self.members[c][lane] & ((1u64 << bit) - 1);
         let rank = self.before[c][lane] + below.count_ones();
-        self.out.take(c, &mut self.at[c], rank);
+        self.out.take(&mut self.at[c], rank);
     }
 
-    fn finish(self) -> BucketGaps {
-        self.out.check_complete(&self.at[..self.out.span.len()]);
+    fn finish(mut self) -> BucketGaps {
+        self.out.finish(&self.at[..self.out.span.len()]);
         self.out
     }
 }
