@@ -380,8 +380,9 @@ fn sign_bit(signs: &[u8], j: usize) -> bool {
     (signs[j / 8] >> (j % 8)) & 1 == 1
 }
 
-/// Encode `changes` (positions ascending, relative to the chunk) of a chunk
-/// whose base bytes are `old` and new bytes `new`.
+/// Encode `changes` (positions ascending, relative to the chunk; values
+/// the XOR words, as `find_changes` finds them with `ChangeKind::Xor`) of
+/// a chunk whose base bytes are `old` and new bytes `new`.
 pub fn encode(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextModel, level: i32) -> Vec<u8> {
     encode_with(old, new, changes, model, level, StepCoding::for_changes(changes.positions.len()))
 }
@@ -432,15 +433,17 @@ struct Survey {
 }
 
 /// The `Survey` of the changes at `positions` (ascending, relative to the
-/// chunk) from `old` to `new`.
-fn survey<T: Word>(old: &[u8], new: &[u8], positions: &[u32], model: &ContextModel) -> Survey {
+/// chunk) from `old` to `new`, whose XOR words are `xors` (the vector
+/// kernels read them in order rather than gather the new words).
+fn survey<T: Word>(old: &[u8], new: &[u8], positions: &[u32], xors: &[u64], model: &ContextModel) -> Survey {
+    assert_eq!(xors.len(), positions.len(), "one XOR word per change");
     let mut out = Survey::zeroed(positions.len());
     let mut done = 0;
     // The widest vector kernel this CPU runs takes the leading changes.
     #[cfg(target_arch = "x86_64")]
     {
         use super::{gather_x86, x86};
-        type Kernel = unsafe fn(&[u8], &[u8], &[u32], gather_x86::StepModel32, &mut [u16], &mut [u64], &mut [u16]);
+        type Kernel = unsafe fn(&[u8], &[u64], &[u32], gather_x86::StepModel32, &mut [u16], &mut [u64], &mut [u16]);
         let chosen: Option<(usize, [Kernel; 3])> = if gather_x86::available() {
             let kernels: [Kernel; 3] = [gather_x86::survey_steps::<1>, gather_x86::survey_steps::<2>, gather_x86::survey_steps::<4>];
             Some((gather_x86::kernel_prefix(positions, T::BYTES, old.len(), 0), kernels))
@@ -461,7 +464,7 @@ fn survey<T: Word>(old: &[u8], new: &[u8], positions: &[u32], model: &ContextMod
             // the kernel needs (checked just above).
             #[allow(unsafe_code)]
             unsafe {
-                kernel(old, new, &positions[..head], model.step_model32(), contexts, magnitudes, signs)
+                kernel(old, &xors[..head], &positions[..head], model.step_model32(), contexts, magnitudes, signs)
             };
             done = head;
         }
@@ -629,7 +632,7 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
     let positions = &changes.positions;
     // Each change's context and ulp magnitude (coded after the flags), and
     // the changes per context, which choose the buckets.
-    let Survey { contexts, magnitudes, signs } = survey::<T>(old, new, positions, model);
+    let Survey { contexts, magnitudes, signs } = survey::<T>(old, new, positions, &changes.values, model);
     let per_context = super::counts(contexts.iter().map(|&c| usize::from(c)), nctx);
     let buckets = choose_buckets::<T>(old, model, &per_context);
     let mut per_bucket = vec![0u32; buckets.len()];
@@ -1078,6 +1081,7 @@ mod tests {
                 let old: Vec<u64> = (0..n).map(|_| pick(next())).collect();
                 let new: Vec<u64> = old.iter().enumerate().map(|(i, &o)| if i + 1 == n || next().is_multiple_of(3) { pick(next()) } else { o }).collect();
                 let positions: Vec<u32> = (0..n as u32).filter(|&i| old[i as usize] != new[i as usize]).collect();
+                let xors: Vec<u64> = positions.iter().map(|&p| old[p as usize] ^ new[p as usize]).collect();
                 let bytes = |words: &[u64]| -> Vec<u8> { words.iter().flat_map(|w| w.to_le_bytes()[..width].to_vec()).collect() };
                 let (old, new) = (bytes(&old), bytes(&new));
                 let m = positions.len();
@@ -1085,15 +1089,15 @@ mod tests {
                 let fast = match width {
                     1 => {
                         survey_from::<u8>(&old, &new, &positions, &model, 0, &mut slow);
-                        survey::<u8>(&old, &new, &positions, &model)
+                        survey::<u8>(&old, &new, &positions, &xors, &model)
                     }
                     2 => {
                         survey_from::<u16>(&old, &new, &positions, &model, 0, &mut slow);
-                        survey::<u16>(&old, &new, &positions, &model)
+                        survey::<u16>(&old, &new, &positions, &xors, &model)
                     }
                     _ => {
                         survey_from::<u32>(&old, &new, &positions, &model, 0, &mut slow);
-                        survey::<u32>(&old, &new, &positions, &model)
+                        survey::<u32>(&old, &new, &positions, &xors, &model)
                     }
                 };
                 assert_eq!(fast, slow, "{dtype:?}, {n} words");

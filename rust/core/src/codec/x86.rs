@@ -916,10 +916,11 @@ pub(super) fn survey_prefix(positions: &[u32], width: usize, len: usize) -> usiz
 /// The context encoder's survey of its changes where the CPU has AVX2 but
 /// not AVX-512 (`gather_x86::survey_steps` is the AVX-512 twin, and
 /// `context::survey_from` the portable loop the tests hold both to): for
-/// the change at `positions[j]`, its context (`contexts[j]`), its ulp step
-/// from `old` to `new` (`magnitudes[j]`: the step's magnitude less one;
-/// the sign: bit `j % 16` of `signs[j / 16]`, set when negative). Eight
-/// changes per step, their old and new words gathered, the step made
+/// the change at `positions[j]`, whose new word is its old word XOR
+/// `xors[j]`, its context (`contexts[j]`), its ulp step from `old` to new
+/// (`magnitudes[j]`: the step's magnitude less one; the sign: bit `j % 16`
+/// of `signs[j / 16]`, set when negative). Eight changes per step, their
+/// old words gathered and the XOR words read in order, the step made
 /// between the ordinals in the high bits of 32-bit lanes.
 ///
 /// # Safety
@@ -929,7 +930,7 @@ pub(super) fn survey_prefix(positions: &[u32], width: usize, len: usize) -> usiz
 #[target_feature(enable = "avx2")]
 pub(super) unsafe fn survey_steps<const W: i32>(
     old: &[u8],
-    new: &[u8],
+    xors: &[u64],
     positions: &[u32],
     model: StepModel32,
     contexts: &mut [u16],
@@ -938,8 +939,8 @@ pub(super) unsafe fn survey_steps<const W: i32>(
 ) {
     let n = positions.len();
     assert!(
-        n.is_multiple_of(16) && old.len() == new.len() && contexts.len() == n && magnitudes.len() == n && signs.len() == n / 16,
-        "whole groups, old and new of one length, one output per position"
+        n.is_multiple_of(16) && xors.len() == n && contexts.len() == n && magnitudes.len() == n && signs.len() == n / 16,
+        "whole groups, one XOR word and one output per position"
     );
     assert!(
         positions.last().is_none_or(|&p| p < 1 << 31 && p as usize * W as usize + 4 <= old.len()),
@@ -959,7 +960,12 @@ pub(super) unsafe fn survey_steps<const W: i32>(
             let i = 16 * g + 8 * half;
             let vp = _mm256_loadu_si256(group.as_ptr().add(8 * half).cast());
             let vo = _mm256_and_si256(_mm256_i32gather_epi32::<W>(old.as_ptr().cast(), vp), word_mask);
-            let vn = _mm256_and_si256(_mm256_i32gather_epi32::<W>(new.as_ptr().cast(), vp), word_mask);
+            // The XOR words' low halves, in order.
+            let low_halves = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+            let first = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(xors.as_ptr().add(i).cast()), low_halves);
+            let second = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(xors.as_ptr().add(i + 4).cast()), low_halves);
+            let xor = _mm256_inserti128_si256::<1>(first, _mm256_castsi256_si128(second));
+            let vn = _mm256_xor_si256(vo, xor);
             // The step between the ordinals, made in the high bits and
             // shifted back down with its sign.
             let step = _mm256_sra_epi32(_mm256_sub_epi32(ordinal(_mm256_sll_epi32(vn, up)), ordinal(_mm256_sll_epi32(vo, up))), up);
