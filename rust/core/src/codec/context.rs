@@ -437,6 +437,18 @@ struct Survey {
 /// kernels read them in order rather than gather the new words).
 fn survey<T: Word>(old: &[u8], new: &[u8], positions: &[u32], xors: &[u64], model: &ContextModel) -> Survey {
     assert_eq!(xors.len(), positions.len(), "one XOR word per change");
+    // The kernels trust `xors` for the new words: the first and last
+    // change checked against `new`, which catches changes of the other
+    // kind (new words as values) unless their old words are zero.
+    let w = T::BYTES;
+    for j in [0, positions.len().saturating_sub(1)].into_iter().filter(|&j| j < positions.len()) {
+        let p = positions[j] as usize;
+        assert_eq!(
+            T::load(&old[p * w..(p + 1) * w]) ^ xors[j],
+            T::load(&new[p * w..(p + 1) * w]),
+            "context::encode takes XOR changes (ChangeKind::Xor): change {j}'s value is not old XOR new"
+        );
+    }
     let mut out = Survey::zeroed(positions.len());
     let mut done = 0;
     // The widest vector kernel this CPU runs takes the leading changes.
@@ -1222,6 +1234,22 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    #[should_panic(expected = "context::encode takes XOR changes")]
+    fn changes_of_the_other_kind_are_refused() {
+        // New words as values (`ChangeKind::Overwrite`) would be read as
+        // XOR words and code the wrong steps.
+        let mut next = super::super::tests::xorshift(17);
+        let old = float_like_words(&mut next, 1000, 2);
+        let mut new = old.clone();
+        for i in (3..1000).step_by(7) {
+            new[2 * i] ^= 1;
+        }
+        let model = ContextModel::for_dtype(DType(Dtype::BF16));
+        let found = super::super::find_changes(&old, &new, 2, ChangeKind::Overwrite).unwrap();
+        encode(&old, &new, &found, &model, 1);
     }
 
     #[cfg(target_arch = "x86_64")]

@@ -915,8 +915,9 @@ pub(super) mod avx512 {
             by_byte = std::array::from_fn(|i| _mm512_loadu_si512(table_bytes.as_ptr().add(64 * i).cast()));
         }
         assert_eq!(steps.slots.len() + SLOT_CLASS_PADDING, steps.slot_class.len(), "the decoder built the wide slot entries");
-        // Each context's table, as the first of its slots.
-        let table_of: Vec<u32> = steps.table_of.iter().map(|&t| u32::from(t) << SCALE_BITS).collect();
+        // Each context's table, as the first of its slots (gathered where
+        // not looked up by `by_byte`).
+        let table_of: Vec<u32> = if VBMI { Vec::new() } else { steps.table_of.iter().map(|&t| u32::from(t) << SCALE_BITS).collect() };
         let raw = &steps.raw.bytes[..];
         // Bit offsets in 32-bit lanes: the base is clamped to the end of
         // the raw bits (reads there are clamped anyway; a stream read that
@@ -945,61 +946,61 @@ pub(super) mod avx512 {
                 let table = if VBMI {
                     // Each byte of `context` looked up; the low one is
                     // the context (below 256), the others are zero.
-                    let low = _mm512_permutex2var_epi8(by_byte[0], context, by_byte[1]);
-                    let high = _mm512_permutex2var_epi8(by_byte[2], context, by_byte[3]);
-                    let table = _mm512_and_si512(_mm512_mask_blend_epi8(_mm512_movepi8_mask(context), low, high), _mm512_set1_epi32(0xFF));
+                    // Safety: `VBMI` only in `decode_groups_vbmi`, whose
+                    // CPU has VBMI.
+                    let table = _mm512_and_si512(crate::codec::x86::lookup_bytes(&by_byte, context), _mm512_set1_epi32(0xFF));
                     _mm512_slli_epi32::<SCALE_BITS>(table)
                 } else {
                     _mm512_i32gather_epi32::<4>(context, table_of.as_ptr().cast())
                 };
                 _mm512_storeu_si512(tables.as_mut_ptr().add(LANES * k).cast(), table);
             }
-        for (k, out) in values[b * BLOCK..][..block.len()].chunks_exact_mut(LANES).enumerate() {
-            let g = b * (BLOCK / LANES) + k;
-            let vo = _mm512_loadu_si512(olds.as_ptr().add(LANES * k).cast());
-            let table = _mm512_loadu_si512(tables.as_ptr().add(LANES * k).cast());
-            let entry = _mm512_i32gather_epi32::<4>(_mm512_or_si512(table, _mm512_and_si512(x, low12)), steps.slots.as_ptr().cast());
-            let class = _mm512_srli_epi32::<24>(entry);
-            let frequency = _mm512_add_epi32(_mm512_and_si512(entry, low12), ones);
-            x = _mm512_add_epi32(_mm512_mullo_epi32(frequency, _mm512_srli_epi32::<SCALE_BITS>(x)), _mm512_and_si512(_mm512_srli_epi32::<12>(entry), low12));
-            // Renormalise: the states that fell low take the next words,
-            // in lane order.
-            let low = _mm512_cmplt_epu32_mask(x, state_low);
-            let at = pos.min(steps.words_len);
-            // Safety: `words` holds `words_len` bytes and 32 of padding.
-            let next = _mm512_cvtepu16_epi32(_mm256_loadu_si256(steps.words.as_ptr().add(at).cast()));
-            x = _mm512_mask_or_epi32(x, low, _mm512_slli_epi32::<16>(x), _mm512_maskz_expand_epi32(low, next));
-            pos += 2 * low.count_ones() as usize;
-            // The raw bits below the classes that have them.
-            let raw_lengths = _mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32::<1>(class), ones), zero);
-            let mut below = zero;
-            if _mm512_test_epi32_mask(raw_lengths, raw_lengths) != 0 {
-                let base = bit.min(raw_end);
-                let sums = prefix_sum(raw_lengths);
-                let starts = _mm512_sub_epi32(sums, raw_lengths);
-                // The raw bits of the first eight lanes, and of all sixteen.
-                let first = _mm_extract_epi32::<3>(_mm512_extracti32x4_epi32::<1>(sums)) as usize;
-                let total = _mm_extract_epi32::<3>(_mm512_extracti32x4_epi32::<3>(sums)) as usize;
-                // Each half's bits from the one 64-bit load at its first
-                // bit where they fit in 56 (nearly always), else gathered,
-                // each lane's from its own byte.
-                let low_half = raw_half(raw, base, 0, first, _mm512_castsi512_si256(starts), _mm512_castsi512_si256(raw_lengths));
-                let high_half = raw_half(raw, base, first, total - first, _mm512_extracti64x4_epi64::<1>(starts), _mm512_extracti64x4_epi64::<1>(raw_lengths));
-                below = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(low_half), high_half);
-                bit += total;
+            for (k, out) in values[b * BLOCK..][..block.len()].chunks_exact_mut(LANES).enumerate() {
+                let g = b * (BLOCK / LANES) + k;
+                let vo = _mm512_loadu_si512(olds.as_ptr().add(LANES * k).cast());
+                let table = _mm512_loadu_si512(tables.as_ptr().add(LANES * k).cast());
+                let entry = _mm512_i32gather_epi32::<4>(_mm512_or_si512(table, _mm512_and_si512(x, low12)), steps.slots.as_ptr().cast());
+                let class = _mm512_srli_epi32::<24>(entry);
+                let frequency = _mm512_add_epi32(_mm512_and_si512(entry, low12), ones);
+                x = _mm512_add_epi32(_mm512_mullo_epi32(frequency, _mm512_srli_epi32::<SCALE_BITS>(x)), _mm512_and_si512(_mm512_srli_epi32::<12>(entry), low12));
+                // Renormalise: the states that fell low take the next words,
+                // in lane order.
+                let low = _mm512_cmplt_epu32_mask(x, state_low);
+                let at = pos.min(steps.words_len);
+                // Safety: `words` holds `words_len` bytes and 32 of padding.
+                let next = _mm512_cvtepu16_epi32(_mm256_loadu_si256(steps.words.as_ptr().add(at).cast()));
+                x = _mm512_mask_or_epi32(x, low, _mm512_slli_epi32::<16>(x), _mm512_maskz_expand_epi32(low, next));
+                pos += 2 * low.count_ones() as usize;
+                // The raw bits below the classes that have them.
+                let raw_lengths = _mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32::<1>(class), ones), zero);
+                let mut below = zero;
+                if _mm512_test_epi32_mask(raw_lengths, raw_lengths) != 0 {
+                    let base = bit.min(raw_end);
+                    let sums = prefix_sum(raw_lengths);
+                    let starts = _mm512_sub_epi32(sums, raw_lengths);
+                    // The raw bits of the first eight lanes, and of all sixteen.
+                    let first = _mm_extract_epi32::<3>(_mm512_extracti32x4_epi32::<1>(sums)) as usize;
+                    let total = _mm_extract_epi32::<3>(_mm512_extracti32x4_epi32::<3>(sums)) as usize;
+                    // Each half's bits from the one 64-bit load at its first
+                    // bit where they fit in 56 (nearly always), else gathered,
+                    // each lane's from its own byte.
+                    let low_half = raw_half(raw, base, 0, first, _mm512_castsi512_si256(starts), _mm512_castsi512_si256(raw_lengths));
+                    let high_half = raw_half(raw, base, first, total - first, _mm512_extracti64x4_epi64::<1>(starts), _mm512_extracti64x4_epi64::<1>(raw_lengths));
+                    below = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(low_half), high_half);
+                    bit += total;
+                }
+                // The magnitude: the class itself below 2, else its top two
+                // bits shifted over the raw ones (`magnitude`).
+                let top = _mm512_sllv_epi32(_mm512_or_si512(twos, _mm512_and_si512(class, ones)), _mm512_sub_epi32(_mm512_srli_epi32::<1>(class), ones));
+                let magnitude = _mm512_mask_mov_epi32(_mm512_or_si512(top, below), _mm512_cmplt_epu32_mask(class, twos), class);
+                let negative = u16::from_le_bytes([signs[2 * g], signs[2 * g + 1]]);
+                let size = _mm512_add_epi32(magnitude, ones);
+                let step = _mm512_mask_sub_epi32(size, negative, zero, size);
+                let new = high.down(high.ordinal(_mm512_add_epi32(high.ordinal(high.up(vo)), high.up(step))), false);
+                unchanged |= _mm512_cmpeq_epi32_mask(new, vo);
+                let value = if xor { _mm512_xor_si512(vo, new) } else { new };
+                store_widened(out.as_mut_ptr(), 0xFFFF, value);
             }
-            // The magnitude: the class itself below 2, else its top two
-            // bits shifted over the raw ones (`magnitude`).
-            let top = _mm512_sllv_epi32(_mm512_or_si512(twos, _mm512_and_si512(class, ones)), _mm512_sub_epi32(_mm512_srli_epi32::<1>(class), ones));
-            let magnitude = _mm512_mask_mov_epi32(_mm512_or_si512(top, below), _mm512_cmplt_epu32_mask(class, twos), class);
-            let negative = u16::from_le_bytes([signs[2 * g], signs[2 * g + 1]]);
-            let size = _mm512_add_epi32(magnitude, ones);
-            let step = _mm512_mask_sub_epi32(size, negative, zero, size);
-            let new = high.down(high.ordinal(_mm512_add_epi32(high.ordinal(high.up(vo)), high.up(step))), false);
-            unchanged |= _mm512_cmpeq_epi32_mask(new, vo);
-            let value = if xor { _mm512_xor_si512(vo, new) } else { new };
-            store_widened(out.as_mut_ptr(), 0xFFFF, value);
-        }
         }
         _mm512_storeu_si512(steps.states.as_mut_ptr().cast(), x);
         steps.pos = pos;

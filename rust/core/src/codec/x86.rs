@@ -454,14 +454,20 @@ fn wide_block_buckets<T: Word>(old: &[u8], start: usize, walk: &Walk) -> (__m512
 fn wide_block_buckets_vbmi<T: Word>(old: &[u8], start: usize, walk: &Walk) -> (__m512i, __m512i, u64, u64) {
     // Safety: `of_byte` holds 256 bytes, four vectors.
     let table: [__m512i; 4] = std::array::from_fn(|i| unsafe { _mm512_loadu_si512(walk.of_byte.as_ptr().add(64 * i) as *const __m512i) });
-    let ids = |v: __m512i| {
-        let low = _mm512_permutex2var_epi8(table[0], v, table[1]);
-        let high = _mm512_permutex2var_epi8(table[2], v, table[3]);
-        _mm512_mask_blend_epi8(_mm512_movepi8_mask(v), low, high)
-    };
     // Safety: the block holds 128 words.
     let ((v0, v1), valid0, valid1) = with_block_of_128::<T, _>(old, start, |block| unsafe { wide_low_bytes::<T>(block, walk.shift) });
-    (ids(v0), ids(v1), valid0, valid1)
+    (lookup_bytes(&table, v0), lookup_bytes(&table, v1), valid0, valid1)
+}
+
+/// Each byte of `index` replaced by its entry of the 256-byte `table`
+/// (four vectors of 64): two two-register byte permutes (the low seven
+/// bits) and a blend by the top bit (AVX-512 VBMI).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+pub(super) fn lookup_bytes(table: &[__m512i; 4], index: __m512i) -> __m512i {
+    let low = _mm512_permutex2var_epi8(table[0], index, table[1]);
+    let high = _mm512_permutex2var_epi8(table[2], index, table[3]);
+    _mm512_mask_blend_epi8(_mm512_movepi8_mask(index), low, high)
 }
 
 /// The low byte of each of the 128 words at `words` shifted right by
