@@ -371,6 +371,198 @@ pub(super) mod scan_avx512 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+pub(super) mod scan_gather_avx512 {
+    //! The change scan and the gather in one pass, for words of 1, 2 or 4
+    //! bytes (AVX-512 with VBMI2): each 64-word block's changed lanes are
+    //! compressed out of the very registers that were compared, so no
+    //! change is loaded a second time by a gather (`gather_x86::gather_block`,
+    //! which the other CPUs run): their offsets by one byte compress, their
+    //! old and new words (untracked: their value words only) to a stage
+    //! that becomes value words and digest moves every `STAGE` changes,
+    //! from contiguous loads. Measured on the scan micro-benchmark
+    //! (`scan_micro`, 4 MiB of bf16) against the scan then gather: 0.50 ->
+    //! 0.25 ms at 10 % changed, 0.31 -> 0.21 ms at 1 %.
+    use super::super::gather_x86::{lanes, store_widened};
+    use crate::digest::avx512::{add_moves, moves_sum, zero_moves};
+    use crate::digest::DigestSum;
+    use std::arch::x86_64::*;
+    use std::sync::OnceLock;
+
+    /// Changes staged before they become value words (their old and new
+    /// words stay in L1: 2 x 4 KiB at most). Untracked, `staged_old` holds
+    /// the value words and `staged_new` is not used.
+    const STAGE: usize = 1024;
+    /// Room for the stage plus one block's changes and a full store past them.
+    const STAGE_BYTES: usize = (STAGE + 64) * 4 + 64;
+
+    /// Whether this CPU runs the kernel (AVX-512 F, BW, VL and VBMI2).
+    pub(in crate::codec) fn available() -> bool {
+        static AVAILABLE: OnceLock<bool> = OnceLock::new();
+        *AVAILABLE.get_or_init(|| {
+            super::super::gather_x86::available() && is_x86_feature_detected!("avx512vbmi2") && is_x86_feature_detected!("popcnt")
+        })
+    }
+
+    /// Scan the whole 64-word blocks of `old` / `new` (one stripe of a
+    /// chunk, whose first word is the chunk's word `base`): append the
+    /// positions (plus `base`) of the words that differ and their value
+    /// words (XOR masks, or the new words when `overwrite`), and, when
+    /// `TRACK`, return the digest move from old to new there (`first` being
+    /// the chunk's first element in its tensor). Returns how many words it
+    /// scanned (the caller scans the rest).
+    ///
+    /// # Safety
+    /// The CPU has what `available` checks; `W` is 1, 2 or 4; every unit
+    /// index `first + base + k` for `k` below the stripe's word count is
+    /// below 2^32.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt")]
+    pub(in crate::codec) unsafe fn scan_and_gather<const W: usize, const TRACK: bool>(
+        old: &[u8],
+        new: &[u8],
+        base: u32,
+        overwrite: bool,
+        first: u32,
+        positions: &mut Vec<u32>,
+        values: &mut Vec<u64>,
+    ) -> (usize, DigestSum) {
+        debug_assert_eq!(old.len(), new.len());
+        let n = old.len() / W;
+        let blocks = n / 64;
+        let (pa, pb) = (old.as_ptr(), new.as_ptr());
+        let iota_bytes = _mm512_set_epi8(
+            63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31,
+            30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0,
+        );
+        let mut staged_old = [0u8; STAGE_BYTES];
+        let mut staged_new = [0u8; STAGE_BYTES];
+        let mut staged = 0usize;
+        let mut len = positions.len();
+        let mut acc = zero_moves();
+        let vfirst = _mm512_set1_epi32(first as i32);
+        for blk in 0..blocks {
+            super::prefetch_ahead(pa, pb, blk * 64 * W, 64 * W);
+            let (a, b) = (pa.add(blk * 64 * W), pb.add(blk * 64 * W));
+            // The changed lanes of each of the W registers of the block.
+            let mut parts = [0u64; 4];
+            let mut m = 0u64;
+            for (k, part) in parts.iter_mut().enumerate().take(W) {
+                let (x, y) = (_mm512_loadu_si512(a.add(64 * k).cast()), _mm512_loadu_si512(b.add(64 * k).cast()));
+                *part = match W {
+                    1 => _mm512_cmpneq_epi8_mask(x, y),
+                    2 => u64::from(_mm512_cmpneq_epi16_mask(x, y)),
+                    _ => u64::from(_mm512_cmpneq_epi32_mask(x, y)),
+                };
+                m |= *part << (k * 64 / W);
+            }
+            if m == 0 {
+                continue;
+            }
+            if positions.capacity() < len + 64 {
+                positions.reserve(64 + (n - blk * 64) / 16);
+            }
+            // The changed words' offsets in the block, compressed to the
+            // front of one byte vector, widened sixteen at a time.
+            let offsets = _mm512_maskz_compress_epi8(m, iota_bytes);
+            let cnt = m.count_ones() as usize;
+            let vbase = _mm512_set1_epi32((base + (blk * 64) as u32) as i32);
+            let dst = positions.as_mut_ptr().add(len);
+            _mm512_storeu_si512(dst.cast(), _mm512_add_epi32(vbase, _mm512_cvtepu8_epi32(_mm512_castsi512_si128(offsets))));
+            if cnt > 16 {
+                let rest = [
+                    _mm512_extracti32x4_epi32::<1>(offsets),
+                    _mm512_extracti32x4_epi32::<2>(offsets),
+                    _mm512_extracti32x4_epi32::<3>(offsets),
+                ];
+                for (j, part) in rest.into_iter().enumerate().take(cnt.div_ceil(16) - 1) {
+                    _mm512_storeu_si512(dst.add(16 * (j + 1)).cast(), _mm512_add_epi32(vbase, _mm512_cvtepu8_epi32(part)));
+                }
+            }
+            len += cnt;
+            positions.set_len(len);
+            // The same lanes' old and new words (or, untracked, their value
+            // words only), compressed to the stage: each store writes 64
+            // bytes, the next starts where the kept words end.
+            for (k, &part) in parts.iter().enumerate().take(W) {
+                let (x, y) = (_mm512_loadu_si512(a.add(64 * k).cast()), _mm512_loadu_si512(b.add(64 * k).cast()));
+                let (so, sn) = (staged_old.as_mut_ptr().add(staged * W), staged_new.as_mut_ptr().add(staged * W));
+                let first_side = if TRACK { x } else if overwrite { y } else { _mm512_xor_si512(x, y) };
+                _mm512_storeu_si512(so.cast(), compress::<W>(part, first_side));
+                if TRACK {
+                    _mm512_storeu_si512(sn.cast(), compress::<W>(part, y));
+                }
+                staged += part.count_ones() as usize;
+            }
+            if staged >= STAGE {
+                flush::<W, TRACK>(&staged_old, &staged_new, staged, &positions[len - staged..len], overwrite, vfirst, values, &mut acc);
+                staged = 0;
+            }
+        }
+        flush::<W, TRACK>(&staged_old, &staged_new, staged, &positions[len - staged..len], overwrite, vfirst, values, &mut acc);
+        (blocks * 64, moves_sum(&acc))
+    }
+
+    /// The lanes `mask` of `v` (words of `W` bytes) packed to the front.
+    #[inline(always)]
+    unsafe fn compress<const W: usize>(mask: u64, v: __m512i) -> __m512i {
+        match W {
+            1 => _mm512_maskz_compress_epi8(mask, v),
+            2 => _mm512_maskz_compress_epi16(mask as u32, v),
+            _ => _mm512_maskz_compress_epi32(mask as u16, v),
+        }
+    }
+
+    /// Sixteen staged words from `p` (`m` the lanes kept), widened to u32.
+    #[inline(always)]
+    unsafe fn load_units<const W: usize>(p: *const u8, m: __mmask16) -> __m512i {
+        match W {
+            1 => _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p.cast())),
+            2 => _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p.cast())),
+            _ => _mm512_maskz_loadu_epi32(m, p.cast()),
+        }
+    }
+
+    /// The value words of `n` staged changes appended to `values`, their
+    /// digest moves added to `acc`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn flush<const W: usize, const TRACK: bool>(
+        staged_old: &[u8; STAGE_BYTES],
+        staged_new: &[u8; STAGE_BYTES],
+        n: usize,
+        positions: &[u32],
+        overwrite: bool,
+        vfirst: __m512i,
+        values: &mut Vec<u64>,
+        acc: &mut crate::digest::avx512::MoveAcc,
+    ) {
+        debug_assert_eq!(positions.len(), n);
+        values.reserve(n);
+        let dst = values.as_mut_ptr().add(values.len());
+        let mut i = 0;
+        while i < n {
+            let m = lanes(n - i);
+            let vo = load_units::<W>(staged_old.as_ptr().add(i * W), m);
+            if !TRACK {
+                // Untracked, the stage holds the value words themselves.
+                store_widened(dst.add(i), m, vo);
+                i += 16;
+                continue;
+            }
+            let vn = load_units::<W>(staged_new.as_ptr().add(i * W), m);
+            let v = if overwrite { vn } else { _mm512_xor_si512(vo, vn) };
+            store_widened(dst.add(i), m, v);
+            {
+                let vp = _mm512_maskz_loadu_epi32(m, positions.as_ptr().add(i).cast());
+                add_moves(acc, _mm512_add_epi32(vfirst, vp), vo, vn);
+            }
+            i += 16;
+        }
+        values.set_len(values.len() + n);
+    }
+}
+
 /// Find the words that differ between `old` and `new` (same length, a
 /// multiple of `width`).
 pub fn find_changes(old: &[u8], new: &[u8], width: usize, kind: ChangeKind) -> Result<SparseChanges> {
@@ -421,6 +613,49 @@ fn scan_positions(old: &[u8], new: &[u8], width: usize, base: u32, positions: &m
     }
 }
 
+/// Run `scan_gather_avx512` on one stripe where the CPU and the words
+/// allow (words of 1, 2 or 4 bytes; unit indices below 2^32 in a chunk of
+/// `n` words): returns how many of the stripe's words it scanned (0 where
+/// it did not run).
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn scan_and_gather(
+    old: &[u8],
+    new: &[u8],
+    width: usize,
+    base: u32,
+    kind: ChangeKind,
+    tracked_from: Option<u64>,
+    n: usize,
+    positions: &mut Vec<u32>,
+    values: &mut Vec<u64>,
+    moves: &mut DigestMoves,
+) -> usize {
+    use scan_gather_avx512::scan_and_gather as kernel;
+    let first = tracked_from.unwrap_or(0);
+    if width > 4 || first + n as u64 > 1 << 32 || !scan_gather_avx512::available() {
+        return 0;
+    }
+    let overwrite = kind == ChangeKind::Overwrite;
+    let f = first as u32;
+    // Safety: the CPU has what the kernel needs (`available`), the width is
+    // 1, 2 or 4 and every unit index `first + position` is below 2^32
+    // (checked just above).
+    #[allow(unsafe_code)]
+    let (scanned, moved) = unsafe {
+        match (width, tracked_from.is_some()) {
+            (1, true) => kernel::<1, true>(old, new, base, overwrite, f, positions, values),
+            (2, true) => kernel::<2, true>(old, new, base, overwrite, f, positions, values),
+            (_, true) => kernel::<4, true>(old, new, base, overwrite, f, positions, values),
+            (1, false) => kernel::<1, false>(old, new, base, overwrite, f, positions, values),
+            (2, false) => kernel::<2, false>(old, new, base, overwrite, f, positions, values),
+            (_, false) => kernel::<4, false>(old, new, base, overwrite, f, positions, values),
+        }
+    };
+    moves.add(moved);
+    scanned
+}
+
 fn find(old: &[u8], new: &[u8], width: usize, kind: ChangeKind, tracked_from: Option<u64>) -> Result<(SparseChanges, DigestSum)> {
     check_width(width)?;
     if old.len() != new.len() || !old.len().is_multiple_of(width) {
@@ -450,8 +685,15 @@ fn find(old: &[u8], new: &[u8], width: usize, kind: ChangeKind, tracked_from: Op
     for start in (0..n).step_by(stripe) {
         let bytes = start * width..(start + stripe).min(n) * width;
         let (a, b) = (&old[bytes.clone()], &new[bytes]);
-        let found = positions.len();
-        scan_positions(a, b, width, start as u32, &mut positions);
+        let mut found = positions.len();
+        #[cfg(target_arch = "x86_64")]
+        let scanned = scan_and_gather(a, b, width, start as u32, kind, tracked_from, n, &mut positions, &mut values, &mut moves);
+        #[cfg(not(target_arch = "x86_64"))]
+        let scanned = 0;
+        if scanned > 0 {
+            found = positions.len();
+        }
+        scan_positions(&a[scanned * width..], &b[scanned * width..], width, (start + scanned) as u32, &mut positions);
         if start == 0 && n > stripe {
             let expected = positions.len() * n.div_ceil(stripe) * 5 / 4 + 64;
             positions.reserve(expected.saturating_sub(positions.len()));

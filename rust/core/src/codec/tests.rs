@@ -173,6 +173,48 @@ proptest! {
     }
 }
 
+/// Chunks of several scan stripes (128 KiB each) and many stage flushes
+/// of the fused scan-and-gather kernel, whose tail is not a whole block:
+/// every width, both kinds, sparse to dense, tracked and not, held to a
+/// word-by-word compare and to the digest of a full pass.
+#[test]
+fn long_chunks_scan_like_a_word_by_word_compare() {
+    for width in [1usize, 2, 4, 8] {
+        let n = (300 << 10) / width + 37;
+        let mut next = xorshift(width as u64 * 977);
+        let old: Vec<u8> = (0..n * width).map(|_| next() as u8).collect();
+        for per_million in [300u64, 60_000, 600_000] {
+            let mut new = old.clone();
+            for i in 0..n {
+                if next() % 1_000_000 < per_million {
+                    new[i * width + (next() as usize % width)] ^= 1 << (next() % 8);
+                }
+            }
+            // A run of changes across a stripe's end and the last words.
+            let stripe = (128 << 10) / width;
+            for i in (stripe - 70..stripe + 70).chain(n - 40..n) {
+                new[i * width] ^= 0x5a;
+            }
+            for kind in [ChangeKind::Xor, ChangeKind::Overwrite] {
+                let mut expected = SparseChanges::default();
+                for (i, (a, b)) in old.chunks_exact(width).zip(new.chunks_exact(width)).enumerate() {
+                    if a != b {
+                        expected.positions.push(i as u32);
+                        expected.values.push(if kind == ChangeKind::Xor { read_word(a) ^ read_word(b) } else { read_word(b) });
+                    }
+                }
+                let what = format!("width {width}, {per_million} per million, {kind:?}");
+                assert_eq!(find_changes(&old, &new, width, kind).unwrap(), expected, "{what}");
+                let first = 1000;
+                let (tracked, moved) = find_changes_tracked(&old, &new, width, kind, first).unwrap();
+                assert_eq!(tracked, expected, "{what}, tracked");
+                let (before, after) = (crate::digest::partial_digest(&old, width, first), crate::digest::partial_digest(&new, width, first));
+                assert_eq!(before.plus(moved), after, "{what}: digest move");
+            }
+        }
+    }
+}
+
 #[test]
 fn special_float_patterns_are_exact() {
     // NaN payloads, -0.0/+0.0, subnormals, infinities as f32 and bf16 words.
