@@ -4,6 +4,9 @@
 //! timed call): `cargo run --release -p dcr-core --example profile_diff OLD NEW`.
 //! Prints the median of the repeats for each stage, in GB/s of checkpoint.
 //! `... OLD NEW REPEATS STAGE` runs only the stages whose names contain STAGE.
+//! `MODE=context` in the environment times the context mode's delta
+//! (without the `decode` and `write` stages, which call the free mode's
+//! decoder).
 //! With `COLD=1` in the environment each repeat first writes 256 MiB
 //! elsewhere (not timed), so that it starts with nothing of the inputs in
 //! the caches, as a refit does.
@@ -33,7 +36,11 @@ fn main() {
     let (ob, nb) = (a.buffers(), b.buffers());
     let total: usize = ob.iter().map(|x| x.len()).sum();
     let base_digests = layout.tensor_digests(&ob);
-    let opts = DiffOptions::default();
+    // `MODE=context` in the environment: the context mode's delta.
+    let context = std::env::var("MODE").is_ok_and(|m| m == "context");
+    // `CHUNK=BYTES` in the environment: the delta's chunk size.
+    let chunk_bytes = std::env::var("CHUNK").map_or(delta::DEFAULT_CHUNK_BYTES, |c| c.parse().expect("CHUNK: bytes per chunk"));
+    let opts = DiffOptions { mode: if context { codec::Mode::Context } else { codec::Mode::Free }, chunk_bytes, ..Default::default() };
     let mut delta_bytes = Vec::new();
     delta::diff(&layout, &ob, &nb, &opts, &mut |f| {
         let _: () = delta_bytes.extend_from_slice(f);
@@ -43,7 +50,7 @@ fn main() {
 
     let mut stages: Vec<(&str, Vec<Duration>)> = Vec::new();
     let mut time = |name: &'static str, f: &mut dyn FnMut()| {
-        if !name.contains(only.as_str()) {
+        if !name.contains(only.as_str()) || (context && name.contains("decode chunks")) {
             return;
         }
         let mut v = Vec::new();
@@ -114,7 +121,7 @@ fn main() {
     let mut work: Vec<Vec<u8>> = ob.iter().map(|b| b.to_vec()).collect();
     // The write alone: chunks decoded beforehand (not timed), then written
     // in place with their digest moves, as the apply's second phase does.
-    if "apply: write decoded chunks".contains(only.as_str()) {
+    if "apply: write decoded chunks".contains(only.as_str()) && !context {
         let decoded: Vec<_> = parsed
             .chunks
             .iter()
