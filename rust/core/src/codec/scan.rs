@@ -388,6 +388,7 @@ pub(super) mod scan_gather_avx512 {
     use crate::digest::avx512::{add_moves, moves_sum, zero_moves};
     use crate::digest::DigestSum;
     use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
     use std::sync::OnceLock;
 
     /// Changes staged before they become value words (their old and new
@@ -435,8 +436,14 @@ pub(super) mod scan_gather_avx512 {
             63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31,
             30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0,
         );
-        let mut staged_old = [0u8; STAGE_BYTES];
-        let mut staged_new = [0u8; STAGE_BYTES];
+        if blocks == 0 {
+            return (0, DigestSum::ZERO);
+        }
+        // Not zeroed (8.6 KiB per call, which a checkpoint of many small
+        // tensors would pay per chunk): only stored lanes are ever loaded.
+        let mut stage_old = MaybeUninit::<[u8; STAGE_BYTES]>::uninit();
+        let mut stage_new = MaybeUninit::<[u8; STAGE_BYTES]>::uninit();
+        let (staged_old, staged_new) = (stage_old.as_mut_ptr().cast::<u8>(), stage_new.as_mut_ptr().cast::<u8>());
         let mut staged = 0usize;
         let mut len = positions.len();
         let mut acc = zero_moves();
@@ -486,7 +493,7 @@ pub(super) mod scan_gather_avx512 {
             // bytes, the next starts where the kept words end.
             for (k, &part) in parts.iter().enumerate().take(W) {
                 let (x, y) = (_mm512_loadu_si512(a.add(64 * k).cast()), _mm512_loadu_si512(b.add(64 * k).cast()));
-                let (so, sn) = (staged_old.as_mut_ptr().add(staged * W), staged_new.as_mut_ptr().add(staged * W));
+                let (so, sn) = (staged_old.add(staged * W), staged_new.add(staged * W));
                 let first_side = if TRACK { x } else if overwrite { y } else { _mm512_xor_si512(x, y) };
                 _mm512_storeu_si512(so.cast(), compress::<W>(part, first_side));
                 if TRACK {
@@ -495,11 +502,11 @@ pub(super) mod scan_gather_avx512 {
                 staged += part.count_ones() as usize;
             }
             if staged >= STAGE {
-                flush::<W, TRACK>(&staged_old, &staged_new, staged, &positions[len - staged..len], overwrite, vfirst, values, &mut acc);
+                flush::<W, TRACK>(staged_old, staged_new, staged, &positions[len - staged..len], overwrite, vfirst, values, &mut acc);
                 staged = 0;
             }
         }
-        flush::<W, TRACK>(&staged_old, &staged_new, staged, &positions[len - staged..len], overwrite, vfirst, values, &mut acc);
+        flush::<W, TRACK>(staged_old, staged_new, staged, &positions[len - staged..len], overwrite, vfirst, values, &mut acc);
         (blocks * 64, moves_sum(&acc))
     }
 
@@ -525,11 +532,15 @@ pub(super) mod scan_gather_avx512 {
 
     /// The value words of `n` staged changes appended to `values`, their
     /// digest moves added to `acc`.
+    ///
+    /// # Safety
+    /// The first `n` words of `W` bytes at `staged_old` (and, when `TRACK`,
+    /// at `staged_new`) were stored; the CPU has what `available` checks.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     unsafe fn flush<const W: usize, const TRACK: bool>(
-        staged_old: &[u8; STAGE_BYTES],
-        staged_new: &[u8; STAGE_BYTES],
+        staged_old: *const u8,
+        staged_new: *const u8,
         n: usize,
         positions: &[u32],
         overwrite: bool,
@@ -543,14 +554,14 @@ pub(super) mod scan_gather_avx512 {
         let mut i = 0;
         while i < n {
             let m = lanes(n - i);
-            let vo = load_units::<W>(staged_old.as_ptr().add(i * W), m);
+            let vo = load_units::<W>(staged_old.add(i * W), m);
             if !TRACK {
                 // Untracked, the stage holds the value words themselves.
                 store_widened(dst.add(i), m, vo);
                 i += 16;
                 continue;
             }
-            let vn = load_units::<W>(staged_new.as_ptr().add(i * W), m);
+            let vn = load_units::<W>(staged_new.add(i * W), m);
             let v = if overwrite { vn } else { _mm512_xor_si512(vo, vn) };
             store_widened(dst.add(i), m, v);
             {
