@@ -2,7 +2,10 @@
 //! their value words (XOR masks or new bits) and, for the diff, how the
 //! tensor digest moves there. Run by stripes that stay in L2, with an
 //! AVX-512 and an AVX2 kernel for the positions (runtime dispatch) and a
-//! portable one that the tests hold them to.
+//! portable one that the tests hold them to; the changed words are then
+//! gathered (`gather`). Where the CPU has AVX-512 VBMI2, one kernel does
+//! both in one pass (`scan_gather_avx512`) and the others scan only a
+//! stripe's last partial block.
 
 use super::{check_width, ChangeKind, SparseChanges, Word};
 use crate::digest::{DigestMoves, DigestSum};
@@ -696,6 +699,8 @@ fn find(old: &[u8], new: &[u8], width: usize, kind: ChangeKind, tracked_from: Op
     for start in (0..n).step_by(stripe) {
         let bytes = start * width..(start + stripe).min(n) * width;
         let (a, b) = (&old[bytes.clone()], &new[bytes]);
+        // The one-pass kernel takes the stripe's whole blocks where it
+        // runs; the scan then the gather take the rest.
         let mut found = positions.len();
         #[cfg(target_arch = "x86_64")]
         let scanned = scan_and_gather(a, b, width, start as u32, kind, tracked_from, n, &mut positions, &mut values, &mut moves);
