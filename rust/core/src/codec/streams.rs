@@ -170,18 +170,15 @@ fn put_nonzero(out: &mut Vec<u8>, data: &[u8], nonzero: usize) -> usize {
         values.push(b);
         next = i + 1;
     };
-    // Eight bytes at a time: most words are zero.
-    let words = data.chunks_exact(8);
-    let tail_start = data.len() - words.remainder().len();
-    for (w, word) in words.enumerate() {
-        let mut flags = nonzero_flags(u64::from_le_bytes(word.try_into().expect("8 bytes")));
-        while flags != 0 {
-            let j = flags.trailing_zeros() as usize / 8;
-            flags &= flags - 1;
-            note(w * 8 + j, word[j]);
+    // 64 bytes at a time: most are zero.
+    let whole = for_each_nonzero_block(data, |at, mut mask| {
+        while mask != 0 {
+            let i = at + mask.trailing_zeros() as usize;
+            mask &= mask - 1;
+            note(i, data[i]);
         }
-    }
-    for (i, &b) in data.iter().enumerate().skip(tail_start).filter(|(_, &b)| b != 0) {
+    });
+    for (i, &b) in data.iter().enumerate().skip(whole).filter(|(_, &b)| b != 0) {
         note(i, b);
     }
     out.extend_from_slice(&values);
@@ -195,12 +192,72 @@ fn nonzero_flags(w: u64) -> u64 {
     (((w & LOW7) + LOW7) | w) & !LOW7
 }
 
-/// How many bytes of `data` are not zero, eight at a time.
+/// Bit `k` set where byte `k` of `block` is not zero (portable).
+#[inline(always)]
+fn nonzero_mask_portable(block: &[u8]) -> u64 {
+    let mut mask = 0u64;
+    for (k, word) in block.chunks_exact(8).enumerate() {
+        // The flags' top bits moved to the low bit of each byte, then
+        // gathered into one byte by a multiply.
+        let low = nonzero_flags(u64::from_le_bytes(word.try_into().expect("8 bytes"))) >> 7;
+        mask |= (low.wrapping_mul(0x0102_0408_1020_4080) >> 56) << (8 * k);
+    }
+    mask
+}
+
+/// Call `visit(at, mask)` for each 64-byte block of `data` from byte `at`
+/// that holds a nonzero byte (bit `k` of `mask` set where byte `at + k` is
+/// not zero), in order; returns where the whole blocks end (the caller
+/// looks at the rest). With AVX-512 BW one compare per block.
+fn for_each_nonzero_block(data: &[u8], mut visit: impl FnMut(usize, u64)) -> usize {
+    let whole = data.len() / 64 * 64;
+    #[cfg(target_arch = "x86_64")]
+    if avx512bw() {
+        // Safety: the CPU has AVX-512 F and BW (checked just above).
+        #[allow(unsafe_code)]
+        unsafe {
+            nonzero_blocks_avx512(&data[..whole], &mut visit)
+        };
+        return whole;
+    }
+    for (b, block) in data[..whole].chunks_exact(64).enumerate() {
+        let mask = nonzero_mask_portable(block);
+        if mask != 0 {
+            visit(64 * b, mask);
+        }
+    }
+    whole
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx512bw() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw"))
+}
+
+/// `for_each_nonzero_block` over whole blocks, one masked compare each.
+///
+/// # Safety
+/// The CPU has AVX-512 F and BW; `data.len()` is a multiple of 64.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn nonzero_blocks_avx512(data: &[u8], visit: &mut impl FnMut(usize, u64)) {
+    use std::arch::x86_64::{_mm512_loadu_si512, _mm512_test_epi8_mask};
+    for at in (0..data.len()).step_by(64) {
+        let v = _mm512_loadu_si512(data.as_ptr().add(at).cast());
+        let mask = _mm512_test_epi8_mask(v, v);
+        if mask != 0 {
+            visit(at, mask);
+        }
+    }
+}
+
+/// How many bytes of `data` are not zero, 64 at a time.
 fn count_nonzero(data: &[u8]) -> usize {
-    let words = data.chunks_exact(8);
-    let tail = words.remainder().iter().filter(|&&b| b != 0).count();
-    let whole: u32 = words.map(|w| nonzero_flags(u64::from_le_bytes(w.try_into().expect("8 bytes"))).count_ones()).sum();
-    whole as usize + tail
+    let mut count = 0usize;
+    let whole = for_each_nonzero_block(data, |_, mask| count += mask.count_ones() as usize);
+    count + data[whole..].iter().filter(|&&b| b != 0).count()
 }
 
 /// A `NONZERO` stream's body after its length: `count` then the gaps and
@@ -344,9 +401,9 @@ mod tests {
     }
 
     #[test]
-    fn nonzero_bytes_are_counted_eight_at_a_time() {
+    fn nonzero_bytes_are_counted_and_found_a_block_at_a_time() {
         let mut x = 1u64;
-        for len in [0usize, 1, 7, 8, 9, 63, 64, 1000] {
+        for len in [0usize, 1, 7, 8, 9, 63, 64, 65, 127, 128, 1000] {
             let data: Vec<u8> = (0..len)
                 .map(|_| {
                     x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -354,6 +411,20 @@ mod tests {
                 })
                 .collect();
             assert_eq!(count_nonzero(&data), data.iter().filter(|&&b| b != 0).count(), "{len} bytes");
+            // Both block kernels against a byte-by-byte look.
+            let mut found = Vec::new();
+            let whole = for_each_nonzero_block(&data, |at, mut mask| {
+                while mask != 0 {
+                    found.push(at + mask.trailing_zeros() as usize);
+                    mask &= mask - 1;
+                }
+            });
+            let want: Vec<usize> = (0..whole).filter(|&i| data[i] != 0).collect();
+            assert_eq!(found, want, "{len} bytes");
+            for (b, block) in data[..whole].chunks_exact(64).enumerate() {
+                let bits: u64 = block.iter().enumerate().map(|(k, &v)| u64::from(v != 0) << k).sum();
+                assert_eq!(nonzero_mask_portable(block), bits, "{len} bytes, block {b}");
+            }
         }
     }
 
