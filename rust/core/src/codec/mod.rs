@@ -543,11 +543,15 @@ pub fn encode_chunk_with_context(
     opts: EncodeOptions,
     model: Option<&context::ContextModel>,
 ) -> Result<Option<EncodedChunk>> {
+    let Some(model) = model else {
+        let (split, _) = find_split_changes(old, new, width, opts.kind, None)?;
+        return Ok((!split.positions.is_empty()).then(|| encode_split(old, new, width, opts, split)));
+    };
     let xor = find_changes(old, new, width, ChangeKind::Xor)?;
     if xor.positions.is_empty() {
         return Ok(None);
     }
-    Ok(Some(encode_found(old, new, width, opts, model, xor)))
+    Ok(Some(encode_found(old, new, width, opts, Some(model), xor)))
 }
 
 /// Encode a chunk whose XOR changes were already found (non-empty).
@@ -596,7 +600,45 @@ pub fn encode_changes(
     opts: EncodeOptions,
     dense: impl FnOnce() -> Vec<u8>,
 ) -> EncodedChunk {
-    let m = changes.positions.len();
+    encode_positions(&changes.positions, || planes_of(&changes.values, width), n, width, opts, dense)
+}
+
+/// Changes as the free mode codes them: ascending positions and the value
+/// words split into byte planes (plane `j` holds byte `j` of each).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SplitChanges {
+    pub positions: Vec<u32>,
+    pub planes: Vec<Vec<u8>>,
+}
+
+/// Find the changes between `old` and `new` (same length, a multiple of
+/// `width`) of `kind`, their values split into byte planes, and, with
+/// `tracked_from` (the chunk's first element in its tensor), how the tensor
+/// digest moves: `find_changes_tracked` for `encode_split`, without whole
+/// value words in between where the CPU runs the one-pass kernel.
+pub fn find_split_changes(old: &[u8], new: &[u8], width: usize, kind: ChangeKind, tracked_from: Option<u64>) -> Result<(SplitChanges, DigestSum)> {
+    let (positions, planes, moved) = scan::find_split(old, new, width, kind, tracked_from)?;
+    Ok((SplitChanges { positions, planes }, moved))
+}
+
+/// Encode changes that `find_split_changes` found (of `opts.kind`) in the
+/// free mode.
+pub fn encode_split(old: &[u8], new: &[u8], width: usize, opts: EncodeOptions, changes: SplitChanges) -> EncodedChunk {
+    let n = old.len() / width;
+    let SplitChanges { positions, planes } = changes;
+    encode_positions(&positions, || planes, n, width, opts, || dense_values(old, new, opts.kind))
+}
+
+/// `encode_changes` with the value planes made on demand.
+fn encode_positions(
+    positions: &[u32],
+    planes: impl FnOnce() -> Vec<Vec<u8>>,
+    n: usize,
+    width: usize,
+    opts: EncodeOptions,
+    dense: impl FnOnce() -> Vec<u8>,
+) -> EncodedChunk {
+    let m = positions.len();
     let density = m as f64 / n.max(1) as f64;
     let level = opts.zstd_level;
     let mut best: Option<(Encoding, Vec<u8>)> = None;
@@ -609,7 +651,6 @@ pub fn encode_changes(
         // The value planes are compressed once, after the first listing's
         // positions, and copied behind a bitmap's where that is tried too
         // (from 25 % changed).
-        let positions = &changes.positions;
         let (first, mut payload) = if density <= 0.30 {
             // Rice codes, unless the gap bytes come out smaller (where the
             // gaps are far from geometric); those are built only where
@@ -627,7 +668,7 @@ pub fn encode_changes(
             (Encoding::Bitmap, bitmap_positions(positions, n, level))
         };
         let planes_at = payload.len();
-        put_planes(&mut payload, &planes_of(&changes.values, width), level);
+        put_planes(&mut payload, &planes(), level);
         let planes = &payload[planes_at..];
         let bitmap = (first != Encoding::Bitmap && density >= 0.25)
             .then(|| with_planes(bitmap_positions(positions, n, level), planes));

@@ -429,7 +429,7 @@ pub(super) mod scan_gather_avx512 {
         overwrite: bool,
         first: u32,
         positions: &mut Vec<u32>,
-        values: &mut Vec<u64>,
+        values: &mut impl StageSink,
     ) -> (usize, DigestSum) {
         debug_assert_eq!(old.len(), new.len());
         let n = old.len() / W;
@@ -548,32 +548,85 @@ pub(super) mod scan_gather_avx512 {
         positions: &[u32],
         overwrite: bool,
         vfirst: __m512i,
-        values: &mut Vec<u64>,
+        values: &mut impl StageSink,
         acc: &mut crate::digest::avx512::MoveAcc,
     ) {
         debug_assert_eq!(positions.len(), n);
         values.reserve(n);
-        let dst = values.as_mut_ptr().add(values.len());
         let mut i = 0;
         while i < n {
             let m = lanes(n - i);
             let vo = load_units::<W>(staged_old.add(i * W), m);
             if !TRACK {
                 // Untracked, the stage holds the value words themselves.
-                store_widened(dst.add(i), m, vo);
+                values.store16::<W>(i, m, vo);
                 i += 16;
                 continue;
             }
             let vn = load_units::<W>(staged_new.add(i * W), m);
             let v = if overwrite { vn } else { _mm512_xor_si512(vo, vn) };
-            store_widened(dst.add(i), m, v);
+            values.store16::<W>(i, m, v);
             {
                 let vp = _mm512_maskz_loadu_epi32(m, positions.as_ptr().add(i).cast());
                 add_moves(acc, _mm512_add_epi32(vfirst, vp), vo, vn);
             }
             i += 16;
         }
-        values.set_len(values.len() + n);
+        values.commit(n);
+    }
+
+    /// Where the kernel's value words go: whole words (`Vec<u64>`) or byte
+    /// planes (`Planes`, what the free mode's encoder codes).
+    pub(in crate::codec) trait StageSink {
+        /// Room for `n` more values.
+        fn reserve(&mut self, n: usize);
+        /// Values `i..i + 16` past the end, lanes `m` of `v` (words of `W`
+        /// bytes in u32 lanes).
+        ///
+        /// # Safety
+        /// `reserve` made room for them; the CPU has AVX-512 F, BW, VL.
+        unsafe fn store16<const W: usize>(&mut self, i: usize, m: __mmask16, v: __m512i);
+        /// The `n` values stored since `reserve` become part of the output.
+        ///
+        /// # Safety
+        /// All `n` were stored.
+        unsafe fn commit(&mut self, n: usize);
+    }
+
+    impl StageSink for Vec<u64> {
+        fn reserve(&mut self, n: usize) {
+            Vec::reserve(self, n);
+        }
+        #[inline(always)]
+        unsafe fn store16<const W: usize>(&mut self, i: usize, m: __mmask16, v: __m512i) {
+            store_widened(self.as_mut_ptr().add(self.len() + i), m, v);
+        }
+        unsafe fn commit(&mut self, n: usize) {
+            self.set_len(self.len() + n);
+        }
+    }
+
+    /// Byte planes: plane `j` holds byte `j` of each value word.
+    pub(in crate::codec) struct Planes<'a>(pub &'a mut [Vec<u8>]);
+
+    impl StageSink for Planes<'_> {
+        fn reserve(&mut self, n: usize) {
+            for plane in self.0.iter_mut() {
+                plane.reserve(n);
+            }
+        }
+        #[inline(always)]
+        unsafe fn store16<const W: usize>(&mut self, i: usize, m: __mmask16, v: __m512i) {
+            for (j, plane) in self.0[..W].iter_mut().enumerate() {
+                let bytes = _mm512_cvtepi32_epi8(_mm512_srl_epi32(v, _mm_cvtsi32_si128(8 * j as i32)));
+                _mm_mask_storeu_epi8(plane.as_mut_ptr().add(plane.len() + i).cast(), m, bytes);
+            }
+        }
+        unsafe fn commit(&mut self, n: usize) {
+            for plane in self.0.iter_mut() {
+                plane.set_len(plane.len() + n);
+            }
+        }
     }
 }
 
@@ -642,7 +695,7 @@ fn scan_and_gather(
     tracked_from: Option<u64>,
     n: usize,
     positions: &mut Vec<u32>,
-    values: &mut Vec<u64>,
+    values: &mut impl scan_gather_avx512::StageSink,
     moves: &mut DigestMoves,
 ) -> usize {
     use scan_gather_avx512::scan_and_gather as kernel;
@@ -671,6 +724,90 @@ fn scan_and_gather(
 }
 
 fn find(old: &[u8], new: &[u8], width: usize, kind: ChangeKind, tracked_from: Option<u64>) -> Result<(SparseChanges, DigestSum)> {
+    let mut values = Vec::new();
+    let (positions, moved) = find_into(old, new, width, kind, tracked_from, &mut values)?;
+    Ok((SparseChanges { positions, values }, moved))
+}
+
+/// `find_changes` / `find_changes_tracked` (`tracked_from` gives the
+/// chunk's first element) with the value words split into byte planes
+/// (plane `j` holds byte `j` of each): what the free mode's encoder codes,
+/// made without whole words in between where the one-pass kernel runs.
+pub(super) fn find_split(old: &[u8], new: &[u8], width: usize, kind: ChangeKind, tracked_from: Option<u64>) -> Result<(Vec<u32>, Vec<Vec<u8>>, DigestSum)> {
+    let mut planes = SplitValues(vec![Vec::new(); width]);
+    let (positions, moved) = find_into(old, new, width, kind, tracked_from, &mut planes)?;
+    Ok((positions, planes.0, moved))
+}
+
+/// Where `find_into` puts the value words it finds.
+trait FoundValues {
+    fn reserve(&mut self, n: usize);
+    /// Append the value words at `positions` (and their digest moves).
+    #[allow(clippy::too_many_arguments)]
+    fn gather(&mut self, old: &[u8], new: &[u8], positions: &[u32], width: usize, kind: ChangeKind, tracked_from: Option<u64>, moves: &mut DigestMoves);
+    /// `scan_and_gather` into this output (0 where it does not run).
+    #[allow(clippy::too_many_arguments)]
+    fn scan_and_gather(&mut self, old: &[u8], new: &[u8], width: usize, base: u32, kind: ChangeKind, tracked_from: Option<u64>, n: usize, positions: &mut Vec<u32>, moves: &mut DigestMoves) -> usize;
+    fn shrink_to_fit(&mut self);
+}
+
+impl FoundValues for Vec<u64> {
+    fn reserve(&mut self, n: usize) {
+        Vec::reserve(self, n);
+    }
+    fn gather(&mut self, old: &[u8], new: &[u8], at: &[u32], width: usize, kind: ChangeKind, tracked_from: Option<u64>, moves: &mut DigestMoves) {
+        match width {
+            1 => gather::<u8>(old, new, at, kind, tracked_from, self, moves),
+            2 => gather::<u16>(old, new, at, kind, tracked_from, self, moves),
+            4 => gather::<u32>(old, new, at, kind, tracked_from, self, moves),
+            _ => gather::<u64>(old, new, at, kind, tracked_from, self, moves),
+        }
+    }
+    #[allow(unused_variables)]
+    fn scan_and_gather(&mut self, old: &[u8], new: &[u8], width: usize, base: u32, kind: ChangeKind, tracked_from: Option<u64>, n: usize, positions: &mut Vec<u32>, moves: &mut DigestMoves) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        return scan_and_gather(old, new, width, base, kind, tracked_from, n, positions, self, moves);
+        #[cfg(not(target_arch = "x86_64"))]
+        0
+    }
+    fn shrink_to_fit(&mut self) {
+        Vec::shrink_to_fit(self);
+    }
+}
+
+/// Value words as byte planes (`find_split`).
+struct SplitValues(Vec<Vec<u8>>);
+
+impl FoundValues for SplitValues {
+    fn reserve(&mut self, n: usize) {
+        for plane in &mut self.0 {
+            plane.reserve(n);
+        }
+    }
+    fn gather(&mut self, old: &[u8], new: &[u8], at: &[u32], width: usize, kind: ChangeKind, tracked_from: Option<u64>, moves: &mut DigestMoves) {
+        // Whole words first (the few of a stripe's last partial block, or
+        // everything where the one-pass kernel does not run), then split.
+        let mut words = Vec::new();
+        FoundValues::gather(&mut words, old, new, at, width, kind, tracked_from, moves);
+        for (j, plane) in self.0.iter_mut().enumerate() {
+            plane.extend(words.iter().map(|&v| (v >> (8 * j)) as u8));
+        }
+    }
+    #[allow(unused_variables)]
+    fn scan_and_gather(&mut self, old: &[u8], new: &[u8], width: usize, base: u32, kind: ChangeKind, tracked_from: Option<u64>, n: usize, positions: &mut Vec<u32>, moves: &mut DigestMoves) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        return scan_and_gather(old, new, width, base, kind, tracked_from, n, positions, &mut scan_gather_avx512::Planes(&mut self.0), moves);
+        #[cfg(not(target_arch = "x86_64"))]
+        0
+    }
+    fn shrink_to_fit(&mut self) {
+        for plane in &mut self.0 {
+            plane.shrink_to_fit();
+        }
+    }
+}
+
+fn find_into(old: &[u8], new: &[u8], width: usize, kind: ChangeKind, tracked_from: Option<u64>, values: &mut impl FoundValues) -> Result<(Vec<u32>, DigestSum)> {
     check_width(width)?;
     if old.len() != new.len() || !old.len().is_multiple_of(width) {
         return Err(Error::Invalid(format!(
@@ -694,7 +831,7 @@ fn find(old: &[u8], new: &[u8], width: usize, kind: ChangeKind, tracked_from: Op
     // worth, then for the whole chunk at the first stripe's rate (changes
     // are spread fairly evenly over a tensor) plus a quarter, then doubling.
     let mut positions = Vec::with_capacity((stripe.min(n) / 16) + 64);
-    let mut values = Vec::with_capacity(positions.capacity());
+    values.reserve(positions.capacity());
     let mut moves = DigestMoves::new(width);
     for start in (0..n).step_by(stripe) {
         let bytes = start * width..(start + stripe).min(n) * width;
@@ -702,10 +839,7 @@ fn find(old: &[u8], new: &[u8], width: usize, kind: ChangeKind, tracked_from: Op
         // The one-pass kernel takes the stripe's whole blocks where it
         // runs; the scan then the gather take the rest.
         let mut found = positions.len();
-        #[cfg(target_arch = "x86_64")]
-        let scanned = scan_and_gather(a, b, width, start as u32, kind, tracked_from, n, &mut positions, &mut values, &mut moves);
-        #[cfg(not(target_arch = "x86_64"))]
-        let scanned = 0;
+        let scanned = values.scan_and_gather(a, b, width, start as u32, kind, tracked_from, n, &mut positions, &mut moves);
         if scanned > 0 {
             found = positions.len();
         }
@@ -715,13 +849,7 @@ fn find(old: &[u8], new: &[u8], width: usize, kind: ChangeKind, tracked_from: Op
             positions.reserve(expected.saturating_sub(positions.len()));
             values.reserve(expected);
         }
-        let at = &positions[found..];
-        match width {
-            1 => gather::<u8>(old, new, at, kind, tracked_from, &mut values, &mut moves),
-            2 => gather::<u16>(old, new, at, kind, tracked_from, &mut values, &mut moves),
-            4 => gather::<u32>(old, new, at, kind, tracked_from, &mut values, &mut moves),
-            _ => gather::<u64>(old, new, at, kind, tracked_from, &mut values, &mut moves),
-        }
+        values.gather(old, new, &positions[found..], width, kind, tracked_from, &mut moves);
     }
     let moved = moves.finish();
     if positions.capacity() > 2 * positions.len() + 64 {
@@ -729,5 +857,5 @@ fn find(old: &[u8], new: &[u8], width: usize, kind: ChangeKind, tracked_from: Op
         positions.shrink_to_fit();
         values.shrink_to_fit();
     }
-    Ok((SparseChanges { positions, values }, moved))
+    Ok((positions, moved))
 }

@@ -100,6 +100,7 @@ proptest! {
             }
         }
         prop_assert_eq!(&find_changes(&old, &new, width, kind).unwrap(), &expected);
+        prop_assert_eq!(find_split_changes(&old, &new, width, kind, None).unwrap().0, split_of(&expected, width));
         for (scanner, positions) in every_scanner(&old, &new, width, 7) {
             let want: Vec<u32> = expected.positions.iter().map(|p| p + 7).collect();
             prop_assert_eq!(positions, want, "{} scan", scanner);
@@ -173,6 +174,14 @@ proptest! {
     }
 }
 
+/// `changes` with their values as byte planes.
+fn split_of(changes: &SparseChanges, width: usize) -> SplitChanges {
+    SplitChanges {
+        positions: changes.positions.clone(),
+        planes: (0..width).map(|j| changes.values.iter().map(|&v| (v >> (8 * j)) as u8).collect()).collect(),
+    }
+}
+
 /// Chunks of several scan stripes (128 KiB each) and many stage flushes
 /// of the fused scan-and-gather kernel, whose tail is not a whole block:
 /// every width, both kinds, sparse to dense, tracked and not, held to a
@@ -210,6 +219,10 @@ fn long_chunks_scan_like_a_word_by_word_compare() {
                 assert_eq!(tracked, expected, "{what}, tracked");
                 let (before, after) = (crate::digest::partial_digest(&old, width, first), crate::digest::partial_digest(&new, width, first));
                 assert_eq!(before.plus(moved), after, "{what}: digest move");
+                let (split, split_moved) = find_split_changes(&old, &new, width, kind, Some(first)).unwrap();
+                assert_eq!(split, split_of(&expected, width), "{what}, split");
+                assert_eq!(split_moved, moved, "{what}, split: digest move");
+                assert_eq!(find_split_changes(&old, &new, width, kind, None).unwrap().0, split, "{what}, split untracked");
             }
         }
     }
