@@ -680,6 +680,21 @@ fn scan_positions(old: &[u8], new: &[u8], width: usize, base: u32, positions: &m
     }
 }
 
+/// Whether `scan_gather_avx512` runs on a chunk of `n` words of `width`
+/// bytes (unit indices from `tracked_from`, or 0): words of 1, 2 or 4
+/// bytes, unit indices below 2^32, a CPU with what it needs.
+fn one_pass_runs(width: usize, tracked_from: Option<u64>, n: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        width <= 4 && tracked_from.unwrap_or(0) + n as u64 <= 1 << 32 && scan_gather_avx512::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (width, tracked_from, n);
+        false
+    }
+}
+
 /// Run `scan_gather_avx512` on one stripe where the CPU and the words
 /// allow (words of 1, 2 or 4 bytes; unit indices below 2^32 in a chunk of
 /// `n` words): returns how many of the stripe's words it scanned (0 where
@@ -699,10 +714,10 @@ fn scan_and_gather(
     moves: &mut DigestMoves,
 ) -> usize {
     use scan_gather_avx512::scan_and_gather as kernel;
-    let first = tracked_from.unwrap_or(0);
-    if width > 4 || first + n as u64 > 1 << 32 || !scan_gather_avx512::available() {
+    if !one_pass_runs(width, tracked_from, n) {
         return 0;
     }
+    let first = tracked_from.unwrap_or(0);
     let overwrite = kind == ChangeKind::Overwrite;
     let f = first as u32;
     // Safety: the CPU has what the kernel needs (`available`), the width is
@@ -734,6 +749,11 @@ fn find(old: &[u8], new: &[u8], width: usize, kind: ChangeKind, tracked_from: Op
 /// (plane `j` holds byte `j` of each): what the free mode's encoder codes,
 /// made without whole words in between where the one-pass kernel runs.
 pub(super) fn find_split(old: &[u8], new: &[u8], width: usize, kind: ChangeKind, tracked_from: Option<u64>) -> Result<(Vec<u32>, Vec<Vec<u8>>, DigestSum)> {
+    if !one_pass_runs(width, tracked_from, old.len() / width.max(1)) {
+        // Whole words, then one split (with its own vector kernels).
+        let (changes, moved) = find(old, new, width, kind, tracked_from)?;
+        return Ok((changes.positions, super::planes_of(&changes.values, width), moved));
+    }
     let mut planes = SplitValues(vec![Vec::new(); width]);
     let (positions, moved) = find_into(old, new, width, kind, tracked_from, &mut planes)?;
     Ok((positions, planes.0, moved))
@@ -785,8 +805,8 @@ impl FoundValues for SplitValues {
         }
     }
     fn gather(&mut self, old: &[u8], new: &[u8], at: &[u32], width: usize, kind: ChangeKind, tracked_from: Option<u64>, moves: &mut DigestMoves) {
-        // Whole words first (the few of a stripe's last partial block, or
-        // everything where the one-pass kernel does not run), then split.
+        // Whole words first (the few of a chunk's last partial block: this
+        // output is only used where the one-pass kernel runs), then split.
         let mut words = Vec::new();
         FoundValues::gather(&mut words, old, new, at, width, kind, tracked_from, moves);
         for (j, plane) in self.0.iter_mut().enumerate() {
