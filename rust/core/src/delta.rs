@@ -159,14 +159,6 @@ enum Found {
     Later,
 }
 
-/// A chunk's changes as its mode's encoder takes them.
-enum FoundChanges {
-    /// Byte planes, for the free mode.
-    Split(codec::SplitChanges),
-    /// XOR words, for the context mode.
-    Xor(codec::SparseChanges),
-}
-
 /// [`diff`] with the base's tensor digests already known (a publisher keeps
 /// them from the previous version): then nothing but the change scan reads
 /// the unchanged bytes. The target digests are the base digests moved by
@@ -215,33 +207,15 @@ pub fn diff_from(
             let r = byte_range(u);
             let (o, n) = (&old[u.tensor][r.clone()], &new[u.tensor][r]);
             let model = model_of(u);
-            // The free mode takes the changes' values as byte planes, the
-            // context mode as XOR words.
-            let (changes, moved) = match model {
-                None => {
-                    let (split, moved) = codec::find_split_changes(o, n, width(u), enc.kind, Some(u.start))?;
-                    (FoundChanges::Split(split), moved)
-                }
-                Some(_) => {
-                    let (xor, moved) = codec::find_changes_tracked(o, n, width(u), ChangeKind::Xor, u.start)?;
-                    (FoundChanges::Xor(xor), moved)
-                }
-            };
-            let count = match &changes {
-                FoundChanges::Split(split) => split.positions.len(),
-                FoundChanges::Xor(xor) => xor.positions.len(),
-            };
-            if count == 0 {
+            let (changes, moved) = codec::FoundChanges::find(o, n, width(u), enc.kind, model.as_ref(), Some(u.start))?;
+            if changes.is_empty() {
                 return Ok((moved, Found::Encoded(None)));
             }
-            let cost = count * 12;
+            let cost = changes.len() * 12;
             if budget.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |left| left.checked_sub(cost)).is_err() {
                 return Ok((moved, Found::Later));
             }
-            let chunk = match changes {
-                FoundChanges::Split(split) => codec::encode_split(o, n, width(u), enc, split),
-                FoundChanges::Xor(xor) => codec::encode_found(o, n, width(u), enc, model.as_ref(), xor),
-            };
+            let chunk = changes.encode(o, n, width(u), enc, model.as_ref());
             // Only the encoded payload stays.
             budget.fetch_add(cost.saturating_sub(chunk.payload.len()), Ordering::Relaxed);
             Ok((moved, Found::Encoded(Some(chunk))))
@@ -314,15 +288,7 @@ pub fn diff_from(
                     }));
                 }
                 let (o, n) = (&old[u.tensor][range.clone()], &new[u.tensor][range]);
-                let Some(model) = model_of(u) else {
-                    let (split, _) = codec::find_split_changes(o, n, w, enc.kind, None)?;
-                    return Ok((!split.positions.is_empty()).then(|| codec::encode_split(o, n, w, enc, split)));
-                };
-                let xor = codec::find_changes(o, n, w, ChangeKind::Xor)?;
-                if xor.positions.is_empty() {
-                    return Ok(None);
-                }
-                Ok(Some(codec::encode_found(o, n, w, enc, Some(&model), xor)))
+                codec::encode_chunk_with_context(o, n, w, enc, model_of(u).as_ref())
             });
         for (u, e) in group.iter().zip(encoded) {
             let w = layout.tensors()[u.tensor].dtype.word_bytes() as u64;

@@ -543,15 +543,60 @@ pub fn encode_chunk_with_context(
     opts: EncodeOptions,
     model: Option<&context::ContextModel>,
 ) -> Result<Option<EncodedChunk>> {
-    let Some(model) = model else {
-        let (split, _) = find_split_changes(old, new, width, opts.kind, None)?;
-        return Ok((!split.positions.is_empty()).then(|| encode_split(old, new, width, opts, split)));
-    };
-    let xor = find_changes(old, new, width, ChangeKind::Xor)?;
-    if xor.positions.is_empty() {
-        return Ok(None);
+    let (found, _) = FoundChanges::find(old, new, width, opts.kind, model, None)?;
+    Ok((!found.is_empty()).then(|| found.encode(old, new, width, opts, model)))
+}
+
+/// A chunk's changes as its mode's encoder takes them: byte planes for the
+/// free mode (`find_split_changes`), XOR words where a context model is
+/// asked for (`encode_found` also tries the free mode with them).
+pub enum FoundChanges {
+    Split(SplitChanges),
+    Xor(SparseChanges),
+}
+
+impl FoundChanges {
+    /// The changes between `old` and `new` for a chunk encoded with
+    /// `model` (or none) and `kind`, and, with `tracked_from` (the chunk's
+    /// first element in its tensor), how the tensor digest moves.
+    pub fn find(
+        old: &[u8],
+        new: &[u8],
+        width: usize,
+        kind: ChangeKind,
+        model: Option<&context::ContextModel>,
+        tracked_from: Option<u64>,
+    ) -> Result<(FoundChanges, DigestSum)> {
+        if model.is_none() {
+            let (split, moved) = find_split_changes(old, new, width, kind, tracked_from)?;
+            return Ok((FoundChanges::Split(split), moved));
+        }
+        let (xor, moved) = match tracked_from {
+            Some(first) => find_changes_tracked(old, new, width, ChangeKind::Xor, first)?,
+            None => (find_changes(old, new, width, ChangeKind::Xor)?, DigestSum::ZERO),
+        };
+        Ok((FoundChanges::Xor(xor), moved))
     }
-    Ok(Some(encode_found(old, new, width, opts, Some(model), xor)))
+
+    /// How many elements changed.
+    pub fn len(&self) -> usize {
+        match self {
+            FoundChanges::Split(split) => split.positions.len(),
+            FoundChanges::Xor(xor) => xor.positions.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Encode them (non-empty), with the `model` they were found for.
+    pub fn encode(self, old: &[u8], new: &[u8], width: usize, opts: EncodeOptions, model: Option<&context::ContextModel>) -> EncodedChunk {
+        match self {
+            FoundChanges::Split(split) => encode_split(old, new, width, opts, split),
+            FoundChanges::Xor(xor) => encode_found(old, new, width, opts, model, xor),
+        }
+    }
 }
 
 /// Encode a chunk whose XOR changes were already found (non-empty).

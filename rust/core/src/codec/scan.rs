@@ -434,14 +434,14 @@ pub(super) mod scan_gather_avx512 {
         debug_assert_eq!(old.len(), new.len());
         let n = old.len() / W;
         let blocks = n / 64;
+        if blocks == 0 {
+            return (0, DigestSum::ZERO);
+        }
         let (pa, pb) = (old.as_ptr(), new.as_ptr());
         let iota_bytes = _mm512_set_epi8(
             63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31,
             30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0,
         );
-        if blocks == 0 {
-            return (0, DigestSum::ZERO);
-        }
         // Not zeroed (8.6 KiB per call, which a checkpoint of many small
         // tensors would pay per chunk): only stored lanes are ever loaded.
         let mut stage_old = MaybeUninit::<[u8; STAGE_BYTES]>::uninit();
@@ -566,10 +566,8 @@ pub(super) mod scan_gather_avx512 {
             let vn = load_units::<W>(staged_new.add(i * W), m);
             let v = if overwrite { vn } else { _mm512_xor_si512(vo, vn) };
             values.store16::<W>(i, m, v);
-            {
-                let vp = _mm512_maskz_loadu_epi32(m, positions.as_ptr().add(i).cast());
-                add_moves(acc, _mm512_add_epi32(vfirst, vp), vo, vn);
-            }
+            let vp = _mm512_maskz_loadu_epi32(m, positions.as_ptr().add(i).cast());
+            add_moves(acc, _mm512_add_epi32(vfirst, vp), vo, vn);
             i += 16;
         }
         values.commit(n);

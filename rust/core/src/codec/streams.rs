@@ -212,7 +212,7 @@ fn nonzero_mask_portable(block: &[u8]) -> u64 {
 fn for_each_nonzero_block(data: &[u8], mut visit: impl FnMut(usize, u64)) -> usize {
     let whole = data.len() / 64 * 64;
     #[cfg(target_arch = "x86_64")]
-    if avx512bw() {
+    if super::gather_x86::available() {
         // Safety: the CPU has AVX-512 F and BW (checked just above).
         #[allow(unsafe_code)]
         unsafe {
@@ -227,12 +227,6 @@ fn for_each_nonzero_block(data: &[u8], mut visit: impl FnMut(usize, u64)) -> usi
         }
     }
     whole
-}
-
-#[cfg(target_arch = "x86_64")]
-fn avx512bw() -> bool {
-    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw"))
 }
 
 /// `for_each_nonzero_block` over whole blocks, one masked compare each.
