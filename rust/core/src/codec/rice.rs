@@ -357,7 +357,12 @@ fn add_low_parts(lows: &[u8], at: u64, k: u32, slots: &mut [u32]) {
         // ends with 8 zero bytes past the bits read.
         #[allow(unsafe_code)]
         unsafe {
-            avx512::add_low_parts(lows, at as u32, k, slots)
+            if super::x86::vbmi_available() {
+                // The CPU also has AVX-512 BW and VBMI.
+                avx512::add_low_parts_vbmi(lows, at as u32, k, slots);
+            } else {
+                avx512::add_low_parts(lows, at as u32, k, slots);
+            }
         };
         return;
     }
@@ -682,6 +687,74 @@ mod avx512 {
             i += 16;
         }
     }
+
+    /// `add_low_parts` without a gather (AVX-512 VBMI): sixteen parts of
+    /// `k` bits take exactly `2k` bytes, so every block's parts lie at the
+    /// same bit offsets from the block's first byte, and one byte permute
+    /// of the block's bytes, one shift per lane and a mask take them all
+    /// out (each lane's part and its bit offset within a byte fit the four
+    /// bytes it takes).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, BW and VBMI; `k <= MAX_K`; `at + slots.len()
+    /// * k < 2^31`; `lows` holds the bits read and 4 more bytes.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    pub(super) unsafe fn add_low_parts_vbmi(lows: &[u8], at: u32, k: u32, slots: &mut [u32]) {
+        debug_assert!(k <= MAX_K && u64::from(at) + slots.len() as u64 * u64::from(k) < 1 << 31);
+        debug_assert!((u64::from(at) + slots.len() as u64 * u64::from(k)).div_ceil(8) + 4 <= lows.len() as u64);
+        let n = slots.len();
+        let phase = at % 8;
+        // Lane `j` takes bytes `bit / 8 ..= bit / 8 + 3` of its block and
+        // shifts right by `bit % 8`, `bit` being `phase + j k`.
+        let mut index = [0u8; 64];
+        let mut shifts = [0u32; 16];
+        for j in 0..16u32 {
+            let bit = phase + j * k;
+            for b in 0..4 {
+                index[(4 * j + b) as usize] = (bit / 8 + b) as u8;
+            }
+            shifts[j as usize] = bit % 8;
+        }
+        // The bytes the first `lanes` lanes of a block take (at most 52).
+        let taken = |lanes: u32| -> u64 {
+            let bytes = (phase + (lanes - 1) * k) / 8 + 4;
+            (1u64 << bytes) - 1
+        };
+        let whole = taken(16);
+        let index = _mm512_loadu_si512(index.as_ptr().cast());
+        let shifts = _mm512_loadu_si512(shifts.as_ptr().cast());
+        let zero = _mm512_setzero_si512();
+        let iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        let shift = _mm_cvtsi32_si128(k as i32);
+        let mask = _mm512_set1_epi32(((1u64 << k) - 1) as i32);
+        let last = _mm512_set1_epi32(15);
+        let sixteen = _mm512_set1_epi32(16);
+        let mut numbers = iota;
+        let mut carry = zero;
+        let mut block = lows.as_ptr().add((at / 8) as usize);
+        let mut i = 0;
+        while i < n {
+            let m = lanes(n - i);
+            // Masked loads read (and may fault on) only the bytes taken.
+            let bytes = _mm512_maskz_loadu_epi8(if n - i >= 16 { whole } else { taken((n - i) as u32) }, block.cast());
+            let mut x = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi8(index, bytes), shifts), mask);
+            x = _mm512_add_epi32(x, _mm512_alignr_epi32::<15>(x, zero));
+            x = _mm512_add_epi32(x, _mm512_alignr_epi32::<14>(x, zero));
+            x = _mm512_add_epi32(x, _mm512_alignr_epi32::<12>(x, zero));
+            x = _mm512_add_epi32(x, _mm512_alignr_epi32::<8>(x, zero));
+            let sums = _mm512_add_epi32(x, carry);
+            // The block's total is broadcast from `x`, not from `sums`, so
+            // that only an add is on the chain from block to block.
+            carry = _mm512_add_epi32(carry, _mm512_permutexvar_epi32(last, x));
+            let at_slots = slots.as_mut_ptr().add(i);
+            let zeros = _mm512_maskz_loadu_epi32(m, at_slots.cast());
+            let values = _mm512_add_epi32(_mm512_add_epi32(_mm512_sll_epi32(zeros, shift), sums), numbers);
+            _mm512_mask_storeu_epi32(at_slots.cast(), m, values);
+            numbers = _mm512_add_epi32(numbers, sixteen);
+            block = block.wrapping_add(2 * k as usize);
+            i += 16;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -791,6 +864,52 @@ mod tests {
         }
         // The kernel reached the last block in most lists.
         assert!(full_blocks > 500, "{full_blocks}");
+    }
+
+    /// Both AVX-512 low-part kernels (the gather, and the byte permute
+    /// where the CPU has VBMI) add what the scalar loop adds: every
+    /// parameter they take, every bit phase, partial last blocks, lists
+    /// that end 4 bytes before the buffer does (all the kernels may read).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn wide_low_part_kernels_match_scalar() {
+        if !avx512::available() {
+            return;
+        }
+        let vbmi = super::super::x86::vbmi_available();
+        let mut next = super::super::tests::xorshift(0x10b1_7500_0000_0005);
+        let random: Vec<u8> = (0..700).map(|_| next() as u8).collect();
+        let mut checked = 0;
+        for k in 0..=avx512::MAX_K {
+            for at in 0..19u32 {
+                for len in [0usize, 1, 15, 16, 17, 31, 32, 33, 100, 200] {
+                    let bits = u64::from(at) + len as u64 * u64::from(k);
+                    // Exactly the bits read and 4 more bytes.
+                    let lows = &random[..bits.div_ceil(8) as usize + 4];
+                    let zeros: Vec<u32> = (0..len)
+                        .scan(0u32, |z, _| {
+                            *z += (next() % 4) as u32;
+                            Some(*z)
+                        })
+                        .collect();
+                    let mut scalar = zeros.clone();
+                    // (The scalar loop reads 8 bytes at a time.)
+                    add_low_parts_scalar(&random[..lows.len() + 4], u64::from(at), k, &mut scalar);
+                    let mut gathered = zeros.clone();
+                    #[allow(unsafe_code)]
+                    unsafe { avx512::add_low_parts(lows, at, k, &mut gathered) };
+                    assert_eq!(gathered, scalar, "gather: k {k} at {at} len {len}");
+                    if vbmi {
+                        let mut permuted = zeros.clone();
+                        #[allow(unsafe_code)]
+                        unsafe { avx512::add_low_parts_vbmi(lows, at, k, &mut permuted) };
+                        assert_eq!(permuted, scalar, "byte permute: k {k} at {at} len {len}");
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert!(!vbmi || checked == 25 * 19 * 10, "{checked}");
     }
 
     /// The writer's kernels (where the CPU has them) write what the
