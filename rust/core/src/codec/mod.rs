@@ -980,110 +980,214 @@ fn positions_from_gaps(gaps: &[u8], overflow: &[u8], n: usize, context: &str) ->
         #[allow(unsafe_code)]
         return unsafe { positions_from_gaps_avx512(gaps, overflow, n, context) };
     }
-    positions_with(gaps, overflow, n, context, prefix_block_portable)
+    positions_with(gaps, overflow, n, context, prefix_block_portable, prefix_block_portable)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[allow(unsafe_code)]
 unsafe fn positions_from_gaps_avx512(gaps: &[u8], overflow: &[u8], n: usize, context: &str) -> Result<Vec<u32>> {
-    positions_with(gaps, overflow, n, context, |g, next, out| {
-        // Safety: this runs only inside this AVX-512 F function.
-        #[allow(unsafe_code)]
-        unsafe {
-            prefix_block_avx512(g, next, out)
-        }
-    })
+    // Safety (both closures): they run only inside this AVX-512 F function.
+    #[allow(unsafe_code)]
+    let bytes = |g: &[u8; GAP_BLOCK], next, n, out: &mut [u32]| unsafe { prefix_bytes_avx512(g, next, n, out) };
+    #[allow(unsafe_code)]
+    let words = |g: &[u32; GAP_BLOCK], next, n, out: &mut [u32]| unsafe { prefix_words_avx512(g, next, n, out) };
+    positions_with(gaps, overflow, n, context, bytes, words)
 }
 
-/// Gaps decoded per block; a block without escapes is one prefix sum.
+/// Gaps decoded per block; a block is one prefix sum.
 const GAP_BLOCK: usize = 32;
 
-/// The positions of a block of `GAP_BLOCK` gaps without escapes, the first
-/// one `next + gaps[0]`; returns the position after the last.
-fn prefix_block_portable(g: &[u8; GAP_BLOCK], mut next: u64, out: &mut [u32; GAP_BLOCK]) -> u64 {
+/// The positions of a block of `GAP_BLOCK` gaps (bytes without escapes,
+/// or whole gaps with the escapes replaced), the first one `next +
+/// gaps[0]`, into `out`, when every one is below `n` (the position after
+/// the last returned); `None` when one is not. Positions are 32-bit, so
+/// `n` is at most 2^32.
+fn prefix_block_portable<T: Copy + Into<u64>>(g: &[T; GAP_BLOCK], next: u64, n: u64, out: &mut [u32]) -> Option<u64> {
+    let mut at = next;
     for (&gap, o) in g.iter().zip(out.iter_mut()) {
-        next += u64::from(gap) + 1;
-        *o = (next - 1) as u32;
+        at += gap.into() + 1;
+        *o = (at - 1) as u32;
     }
-    next
+    (at <= n).then_some(at)
 }
 
-/// `prefix_block_portable` sixteen lanes at a time: the inclusive prefix
-/// sum of `gap + 1` in four shift-and-add steps.
+/// The inclusive prefix sum of `gap + 1` over sixteen 32-bit gaps, in
+/// four shift-and-add steps.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
+#[inline(always)]
 #[allow(unsafe_code)]
-unsafe fn prefix_block_avx512(g: &[u8; GAP_BLOCK], next: u64, out: &mut [u32; GAP_BLOCK]) -> u64 {
+unsafe fn gap_prefix(x: std::arch::x86_64::__m512i) -> std::arch::x86_64::__m512i {
     use std::arch::x86_64::*;
     let zero = _mm512_setzero_si512();
-    let one = _mm512_set1_epi32(1);
-    let last = _mm512_set1_epi32(15);
-    // Positions are below 2^32 (u32); only their low bits enter a lane.
-    let mut carry = _mm512_set1_epi32((next as u32).wrapping_sub(1) as i32);
-    for half in 0..2 {
-        let mut x = _mm512_add_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(g.as_ptr().add(16 * half).cast())), one);
-        x = _mm512_add_epi32(x, _mm512_alignr_epi32::<15>(x, zero));
-        x = _mm512_add_epi32(x, _mm512_alignr_epi32::<14>(x, zero));
-        x = _mm512_add_epi32(x, _mm512_alignr_epi32::<12>(x, zero));
-        x = _mm512_add_epi32(x, _mm512_alignr_epi32::<8>(x, zero));
-        let positions = _mm512_add_epi32(x, carry);
-        _mm512_storeu_si512(out.as_mut_ptr().add(16 * half).cast(), positions);
-        carry = _mm512_permutexvar_epi32(last, positions);
-    }
-    let total: u64 = g.iter().map(|&gap| u64::from(gap) + 1).sum();
-    next + total
+    let mut x = _mm512_add_epi32(x, _mm512_set1_epi32(1));
+    x = _mm512_add_epi32(x, _mm512_alignr_epi32::<15>(x, zero));
+    x = _mm512_add_epi32(x, _mm512_alignr_epi32::<14>(x, zero));
+    x = _mm512_add_epi32(x, _mm512_alignr_epi32::<12>(x, zero));
+    _mm512_add_epi32(x, _mm512_alignr_epi32::<8>(x, zero))
 }
 
+/// Lane 15 of `x`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(unsafe_code)]
+unsafe fn last_lane(x: std::arch::x86_64::__m512i) -> u32 {
+    use std::arch::x86_64::*;
+    _mm_extract_epi32::<3>(_mm512_extracti32x4_epi32::<3>(x)) as u32
+}
+
+/// Store a block's positions after `next`, from the prefix sums of its
+/// halves (`gap_prefix`; `low_total` is the low half's last).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(unsafe_code)]
+unsafe fn store_block_positions(low: std::arch::x86_64::__m512i, high: std::arch::x86_64::__m512i, low_total: u32, next: u64, out: &mut [u32]) {
+    use std::arch::x86_64::*;
+    let out = &mut out[..GAP_BLOCK];
+    // Positions are below 2^32 (u32); only their low bits enter a lane.
+    let before = (next as u32).wrapping_sub(1);
+    _mm512_storeu_si512(out.as_mut_ptr().cast(), _mm512_add_epi32(low, _mm512_set1_epi32(before as i32)));
+    _mm512_storeu_si512(out.as_mut_ptr().add(16).cast(), _mm512_add_epi32(high, _mm512_set1_epi32(before.wrapping_add(low_total) as i32)));
+}
+
+/// `prefix_block_portable` of gap bytes without escapes, sixteen lanes at
+/// a time: the halves are summed independently and the low half's total
+/// added to the high one.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,sse4.1")]
+#[allow(unsafe_code)]
+unsafe fn prefix_bytes_avx512(g: &[u8; GAP_BLOCK], next: u64, n: u64, out: &mut [u32]) -> Option<u64> {
+    use std::arch::x86_64::*;
+    let low = gap_prefix(_mm512_cvtepu8_epi32(_mm_loadu_si128(g.as_ptr().cast())));
+    let high = gap_prefix(_mm512_cvtepu8_epi32(_mm_loadu_si128(g.as_ptr().add(16).cast())));
+    let low_total = last_lane(low);
+    // At most 32 * 256: the block's total fits a lane.
+    let after = next + u64::from(low_total + last_lane(high));
+    if after > n {
+        return None;
+    }
+    store_block_positions(low, high, low_total, next, out);
+    Some(after)
+}
+
+/// `prefix_block_portable` of whole gaps (escapes replaced): the block's
+/// total is added up in 64 bits first (a gap may be up to 2^32), and only
+/// a block that stays below `n` is summed in 32-bit lanes, where then no
+/// partial sum wraps.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,sse4.1")]
+#[allow(unsafe_code)]
+unsafe fn prefix_words_avx512(g: &[u32; GAP_BLOCK], next: u64, n: u64, out: &mut [u32]) -> Option<u64> {
+    use std::arch::x86_64::*;
+    let total: u64 = g.iter().map(|&gap| u64::from(gap) + 1).sum();
+    if next + total > n {
+        return None;
+    }
+    let low = gap_prefix(_mm512_loadu_si512(g.as_ptr().cast()));
+    let high = gap_prefix(_mm512_loadu_si512(g.as_ptr().add(16).cast()));
+    store_block_positions(low, high, last_lane(low), next, out);
+    Some(next + total)
+}
+
+/// The gap stream decoded a block of `GAP_BLOCK` gaps at a time, each
+/// block by one prefix sum written straight into the positions: the gap
+/// bytes themselves (`bytes`) where the block has no escape, else its
+/// whole gaps, the escapes replaced by `255 + overflow varint` (`words`);
+/// either returns `None` when a position would leave the chunk. A block
+/// where anything is wrong (a position outside the chunk, the overflow
+/// stream ending early) is decoded again a gap at a time, which names the
+/// first thing wrong; so is the last, partial block.
 #[inline(always)]
 fn positions_with(
     gaps: &[u8],
     overflow: &[u8],
     n: usize,
     context: &str,
-    prefix_block: impl Fn(&[u8; GAP_BLOCK], u64, &mut [u32; GAP_BLOCK]) -> u64,
+    bytes: impl Fn(&[u8; GAP_BLOCK], u64, u64, &mut [u32]) -> Option<u64>,
+    words: impl Fn(&[u32; GAP_BLOCK], u64, u64, &mut [u32]) -> Option<u64>,
 ) -> Result<Vec<u32>> {
-    // Filled block by block from one on the stack (no zeroing pass first).
     let mut positions = Vec::with_capacity(gaps.len());
-    let mut block = [0u32; GAP_BLOCK];
-    // `next` is the position after the last change; positions ascend, so
-    // checking the last one of a block against the chunk end checks them all.
+    // Positions are u32: a chunk of more elements holds none past 2^32.
+    let limit = (n as u64).min(1 << 32);
+    // `next` is the position after the last change.
     let mut next = 0u64;
     let mut opos = 0usize;
-    let outside = |p: u64| Error::corrupt(context, format!("position {p} outside the chunk of {n} elements"));
-    for g in gaps.chunks(GAP_BLOCK) {
-        if let Ok(g) = <&[u8; GAP_BLOCK]>::try_from(g) {
-            if !g.contains(&255) {
-                // No escapes: a plain prefix sum (at most 32 * 255 past `next`).
-                next = prefix_block(g, next, &mut block);
-                if next > n as u64 {
-                    return Err(outside(next - 1));
+    let mut blocks = gaps.chunks_exact(GAP_BLOCK);
+    for g in &mut blocks {
+        let g: &[u8; GAP_BLOCK] = g.try_into().expect("a whole block");
+        let at = positions.len();
+        // Zeros in the cache, overwritten at once (no zeroing pass over
+        // the whole list first).
+        positions.resize(at + GAP_BLOCK, 0);
+        let out = &mut positions[at..];
+        // (A fold, not `contains`, so that the compiler vectorises it.)
+        let escaped = g.iter().fold(false, |any, &gap| any | (gap == 255));
+        let block_opos = opos;
+        let after = if escaped {
+            let mut whole = g.map(u32::from);
+            let mut read = opos;
+            let fit = g.iter().zip(whole.iter_mut()).filter(|(&gap, _)| gap == 255).all(|(_, w)| match get_varint(overflow, &mut read, 5) {
+                // A whole gap reaching the limit cannot be in the chunk.
+                Some(more) if 255 + more < limit => {
+                    *w = (255 + more) as u32;
+                    true
                 }
-                positions.extend_from_slice(&block);
-                continue;
-            }
+                _ => false,
+            });
+            let after = if fit { words(&whole, next, limit, out) } else { None };
+            opos = read;
+            after
+        } else {
+            bytes(g, next, limit, out)
+        };
+        match after {
+            Some(after) => next = after,
+            None => return Err(gap_error(gaps, overflow, at, next, block_opos, n, context)),
         }
-        let out = &mut block[..g.len()];
-        for (&gap, o) in g.iter().zip(out.iter_mut()) {
-            let gap = if gap < 255 {
-                u64::from(gap)
-            } else {
-                255 + get_varint(overflow, &mut opos, 5)
-                    .ok_or_else(|| Error::corrupt(context, "gap overflow stream ends early"))?
-            };
-            let p = next + gap;
-            if p >= n as u64 {
-                return Err(outside(p));
-            }
-            *o = p as u32;
-            next = p + 1;
+    }
+    let at = positions.len();
+    positions.resize(gaps.len(), 0);
+    for (&gap, o) in blocks.remainder().iter().zip(&mut positions[at..]) {
+        let gap = if gap < 255 {
+            u64::from(gap)
+        } else {
+            255 + get_varint(overflow, &mut opos, 5).ok_or_else(|| Error::corrupt(context, "gap overflow stream ends early"))?
+        };
+        let p = next + gap;
+        if p >= n as u64 {
+            return Err(Error::corrupt(context, format!("position {p} outside the chunk of {n} elements")));
         }
-        positions.extend_from_slice(out);
+        *o = p as u32;
+        next = p + 1;
     }
     if opos != overflow.len() {
         return Err(Error::corrupt(context, "unused bytes in the gap overflow stream"));
     }
     Ok(positions)
+}
+
+/// What is wrong in the gaps from `at` on (positions from `next`, overflow
+/// varints from `opos`), found a gap at a time: the first position outside
+/// the chunk, or the overflow stream ending early.
+#[cold]
+fn gap_error(gaps: &[u8], overflow: &[u8], at: usize, mut next: u64, mut opos: usize, n: usize, context: &str) -> Error {
+    for &gap in &gaps[at..] {
+        let gap = if gap < 255 {
+            u64::from(gap)
+        } else {
+            match get_varint(overflow, &mut opos, 5) {
+                Some(more) => 255 + more,
+                None => return Error::corrupt(context, "gap overflow stream ends early"),
+            }
+        };
+        let p = next + gap;
+        if p >= n as u64 {
+            return Error::corrupt(context, format!("position {p} outside the chunk of {n} elements"));
+        }
+        next = p + 1;
+    }
+    // Only a chunk of more than 2^32 elements gets here.
+    Error::corrupt(context, "positions past 2^32 in a chunk")
 }
 
 /// A decoded chunk: validated, ready to be applied to a target range.

@@ -549,12 +549,43 @@ fn vector_and_portable_gap_decoding_agree() {
         let span: u64 = gaps.iter().map(|&g| u64::from(g) + 1).sum::<u64>() + 5000 * escapes as u64;
         // Chunk ends around the last position: inside, exactly at it, short of it.
         let n = (span as usize).saturating_sub((next() % 64) as usize) + (next() % 3) as usize;
-        let portable = positions_with(&gaps, &overflow, n, "t", prefix_block_portable);
+        let portable = positions_with(&gaps, &overflow, n, "t", prefix_block_portable, prefix_block_portable);
         let dispatched = positions_from_gaps(&gaps, &overflow, n, "t");
         match (&portable, &dispatched) {
             (Ok(a), Ok(b)) => assert_eq!(a, b, "case {case}"),
             (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string(), "case {case}"),
             _ => panic!("case {case}: {portable:?} vs {dispatched:?}"),
+        }
+        // Both against the format's definition, a gap at a time.
+        let mut reference = Ok(Vec::new());
+        let (mut next, mut opos) = (0u64, 0usize);
+        for &gap in &gaps {
+            let gap = match gap {
+                255 => match streams::get_varint(&overflow, &mut opos, 5) {
+                    Some(more) => 255 + more,
+                    None => {
+                        reference = Err("ends early".to_string());
+                        break;
+                    }
+                },
+                g => u64::from(g),
+            };
+            if next + gap >= n as u64 {
+                reference = Err(format!("position {} outside", next + gap));
+                break;
+            }
+            if let Ok(r) = &mut reference {
+                r.push((next + gap) as u32);
+            }
+            next += gap + 1;
+        }
+        if reference.is_ok() && opos != overflow.len() {
+            reference = Err("unused bytes".to_string());
+        }
+        match (&reference, &portable) {
+            (Ok(a), Ok(b)) => assert_eq!(a, b, "case {case}"),
+            (Err(a), Err(b)) => assert!(b.to_string().contains(a.as_str()), "case {case}: {a} vs {b}"),
+            _ => panic!("case {case}: {reference:?} vs {portable:?}"),
         }
         if let Ok(p) = &portable {
             assert!(p.windows(2).all(|w| w[0] < w[1]) && p.last().is_none_or(|&l| (l as usize) < n));
@@ -563,14 +594,40 @@ fn vector_and_portable_gap_decoding_agree() {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
         // Large starting offsets, every gap the largest without an escape.
-        let g = [254u8; GAP_BLOCK];
+        // and whole gaps (escapes replaced) up to 2^32 in all; ends at, just
+        // past and well past the limit.
+        let mut g = [254u32; GAP_BLOCK];
         for start in [0u64, 1, 70_000, (1 << 31) - 9000] {
-            let (mut a, mut b) = ([0u32; GAP_BLOCK], [0u32; GAP_BLOCK]);
-            // Safety: AVX-512 F detected above.
-            #[allow(unsafe_code)]
-            let nb = unsafe { prefix_block_avx512(&g, start, &mut b) };
-            assert_eq!(prefix_block_portable(&g, start, &mut a), nb);
-            assert_eq!(a, b);
+            for (big, cut) in [(254, 0), (1 << 20, 0), ((1 << 31) + 7, 0), (1 << 20, 1), (1 << 20, 1000)] {
+                g[5] = big;
+                let total: u64 = g.iter().map(|&x| u64::from(x) + 1).sum();
+                let n = (start + total).min(1 << 32) - cut;
+                let (mut a, mut b) = ([7u32; GAP_BLOCK], [7u32; GAP_BLOCK]);
+                // Safety: AVX-512 F detected above.
+                #[allow(unsafe_code)]
+                let nb = unsafe { super::prefix_words_avx512(&g, start, n, &mut b) };
+                let na = prefix_block_portable(&g, start, n, &mut a);
+                assert_eq!(na, nb, "start {start} big {big} cut {cut}");
+                assert_eq!(na.is_some(), start + total <= n);
+                if na.is_some() {
+                    assert_eq!(a, b);
+                    assert_eq!(u64::from(a[GAP_BLOCK - 1]) + 1, start + total);
+                }
+            }
+            // Gap bytes, every one the largest without an escape.
+            let bytes = [254u8; GAP_BLOCK];
+            for cut in [0, 1] {
+                let n = start + 255 * GAP_BLOCK as u64 - cut;
+                let (mut a, mut b) = ([7u32; GAP_BLOCK], [7u32; GAP_BLOCK]);
+                // Safety: AVX-512 F detected above.
+                #[allow(unsafe_code)]
+                let nb = unsafe { super::prefix_bytes_avx512(&bytes, start, n, &mut b) };
+                assert_eq!(prefix_block_portable(&bytes, start, n, &mut a), nb, "start {start} cut {cut}");
+                assert_eq!(nb.is_some(), cut == 0);
+                if nb.is_some() {
+                    assert_eq!(a, b);
+                }
+            }
         }
     }
 }
