@@ -939,6 +939,26 @@ mod tests {
                 assert_eq!(fast, portable, "k {k}, {len} gaps");
             }
         }
+        // Unary parts of up to 8 bits, so that sixteen codes reach the two
+        // words' 128 bits: a block that fills both words exactly, then one
+        // starting on the next word's first bit and running into the one
+        // after (the kernel moves two words on), then random lengths.
+        for k in [0u32, 3] {
+            let mut gaps: Vec<u32> = [7u32; 16].iter().chain(&[4; 16]).map(|&q| q << k).collect();
+            gaps.extend((0..600).map(|_| ((next() % 8) << k | next() % (1 << k)) as u32));
+            let bits = code_bits(&gaps, k);
+            let mut w = RiceWriter::new();
+            w.put_gaps(&gaps, k, bits);
+            let fast = w.finish();
+            let mut lows = BitWriter::new();
+            lows.put_each(&gaps, k);
+            let unary_bits = bits - gaps.len() as u64 * u64::from(k);
+            let mut unary = vec![0u64; unary_bits.div_ceil(64) as usize];
+            put_unary(&mut unary, 0, &gaps, k);
+            let mut portable = lows.finish();
+            portable.extend(unary.iter().flat_map(|w| w.to_le_bytes()).take(unary_bits.div_ceil(8) as usize));
+            assert_eq!(fast, portable, "k {k}, long unary parts");
+        }
     }
 
     /// The kernel's selection (where the CPU has it) matches the word by
