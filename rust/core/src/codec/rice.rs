@@ -945,7 +945,7 @@ mod tests {
         // after (the kernel moves two words on), then random lengths.
         for k in [0u32, 3] {
             let mut gaps: Vec<u32> = [7u32; 16].iter().chain(&[4; 16]).map(|&q| q << k).collect();
-            gaps.extend((0..600).map(|_| ((next() % 8) << k | next() % (1 << k)) as u32));
+            gaps.extend((0..600).map(|_| (((next() % 8) << k) | (next() % (1 << k))) as u32));
             let bits = code_bits(&gaps, k);
             let mut w = RiceWriter::new();
             w.put_gaps(&gaps, k, bits);
