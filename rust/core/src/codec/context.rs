@@ -937,6 +937,32 @@ fn expand_reference<T: Word>(old: &[u8], model: &ContextModel, buckets: &Buckets
     positions
 }
 
+thread_local! {
+    /// A decoded chunk's value words, handed back by the caller once it has
+    /// taken what it needs (`recycle_values`): a fresh buffer of a large
+    /// chunk's size would be zeroed and its pages faulted in anew for each.
+    static VALUES: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `m` value words for the decoder to overwrite, every one of them
+/// (their contents before are whatever a previous chunk left).
+fn values_buffer(m: usize) -> Vec<u64> {
+    let mut values = VALUES.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
+    if values.len() < m {
+        values.resize(m, 0);
+    }
+    values.truncate(m);
+    values
+}
+
+/// Hand a decoded chunk's value words back for the next chunk this thread
+/// decodes (at most 32 MiB are kept).
+pub(super) fn recycle_values(values: Vec<u64>) {
+    if values.capacity() <= 4 << 20 {
+        VALUES.with(|cell| *cell.borrow_mut() = values);
+    }
+}
+
 /// The value of a change of `old` by magnitude `v + 1` and sign into
 /// `out`; true when it leaves the element unchanged (a corrupt payload).
 /// `model.apply_step` with the word width known.
@@ -993,7 +1019,7 @@ fn decode_words<T: Word>(
     let w = T::BYTES;
     let signs = parsed.signs;
     let local = *model;
-    let mut values = vec![0u64; m];
+    let mut values = values_buffer(m);
     // Refused after the loop: a change that does not change its element.
     let mut unchanged = false;
     if let Some(sections) = &parsed.tables {

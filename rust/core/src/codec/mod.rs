@@ -1239,6 +1239,7 @@ pub fn decode_chunk_context(
     check_width(width)?;
     let ch = context::decode(payload, base, model, n_changed, kind, context_name)?;
     let planes = planes_of(&ch.values, width);
+    context::recycle_values(ch.values);
     Ok(DecodedChunk { width, inner: Decoded::Sparse { positions: ch.positions, planes } })
 }
 
