@@ -916,6 +916,20 @@ mod tests {
     /// portable loops write, for every parameter, long gaps included.
     #[test]
     fn writer_paths_agree() {
+        let agree = |gaps: &[u32], k: u32, what: &str| {
+            let bits = code_bits(gaps, k);
+            let mut w = RiceWriter::new();
+            w.put_gaps(gaps, k, bits);
+            let fast = w.finish();
+            let mut lows = BitWriter::new();
+            lows.put_each(gaps, k);
+            let unary_bits = bits - gaps.len() as u64 * u64::from(k);
+            let mut unary = vec![0u64; unary_bits.div_ceil(64) as usize];
+            put_unary(&mut unary, 0, gaps, k);
+            let mut portable = lows.finish();
+            portable.extend(unary.iter().flat_map(|w| w.to_le_bytes()).take(unary_bits.div_ceil(8) as usize));
+            assert_eq!(fast, portable, "k {k}, {what}");
+        };
         let mut next = super::super::tests::xorshift(0x7e57_0b17);
         for k in 0..32u32 {
             for len in [1usize, 15, 16, 17, 33, 500] {
@@ -925,39 +939,16 @@ mod tests {
                         _ => (next() % (3u64 << k).min(1 << 24)) as u32,
                     })
                     .collect();
-                let bits = code_bits(&gaps, k);
-                let mut w = RiceWriter::new();
-                w.put_gaps(&gaps, k, bits);
-                let fast = w.finish();
-                let mut lows = BitWriter::new();
-                lows.put_each(&gaps, k);
-                let unary_bits = bits - len as u64 * u64::from(k);
-                let mut unary = vec![0u64; unary_bits.div_ceil(64) as usize];
-                put_unary(&mut unary, 0, &gaps, k);
-                let mut portable = lows.finish();
-                portable.extend(unary.iter().flat_map(|w| w.to_le_bytes()).take(unary_bits.div_ceil(8) as usize));
-                assert_eq!(fast, portable, "k {k}, {len} gaps");
+                agree(&gaps, k, &format!("{len} gaps"));
             }
         }
-        // Unary parts of up to 8 bits, so that sixteen codes reach the two
-        // words' 128 bits: a block that fills both words exactly, then one
-        // starting on the next word's first bit and running into the one
-        // after (the kernel moves two words on), then random lengths.
+        // Unary parts of up to 8 bits, so that sixteen codes reach 128
+        // bits: a block that fills two words exactly, then one starting
+        // on a word's first bit and running past it, then random lengths.
         for k in [0u32, 3] {
             let mut gaps: Vec<u32> = [7u32; 16].iter().chain(&[4; 16]).map(|&q| q << k).collect();
             gaps.extend((0..600).map(|_| (((next() % 8) << k) | (next() % (1 << k))) as u32));
-            let bits = code_bits(&gaps, k);
-            let mut w = RiceWriter::new();
-            w.put_gaps(&gaps, k, bits);
-            let fast = w.finish();
-            let mut lows = BitWriter::new();
-            lows.put_each(&gaps, k);
-            let unary_bits = bits - gaps.len() as u64 * u64::from(k);
-            let mut unary = vec![0u64; unary_bits.div_ceil(64) as usize];
-            put_unary(&mut unary, 0, &gaps, k);
-            let mut portable = lows.finish();
-            portable.extend(unary.iter().flat_map(|w| w.to_le_bytes()).take(unary_bits.div_ceil(8) as usize));
-            assert_eq!(fast, portable, "k {k}, long unary parts");
+            agree(&gaps, k, "long unary parts");
         }
     }
 
