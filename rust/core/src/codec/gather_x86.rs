@@ -73,6 +73,20 @@ unsafe fn largest(positions: &[u32]) -> u32 {
 /// How many changes ahead the apply prefetches the words it will load.
 const PREFETCH_AHEAD: usize = 64;
 
+/// The inclusive prefix sum of the sixteen 32-bit lanes of `v` (four
+/// shift-and-add steps).
+///
+/// # Safety
+/// The CPU has AVX-512 F.
+#[inline(always)]
+pub(super) unsafe fn prefix_sum(v: __m512i) -> __m512i {
+    let zero = _mm512_setzero_si512();
+    let v = _mm512_add_epi32(v, _mm512_alignr_epi32::<15>(v, zero));
+    let v = _mm512_add_epi32(v, _mm512_alignr_epi32::<14>(v, zero));
+    let v = _mm512_add_epi32(v, _mm512_alignr_epi32::<12>(v, zero));
+    _mm512_add_epi32(v, _mm512_alignr_epi32::<8>(v, zero))
+}
+
 /// Lanes `0..n` of a step of sixteen.
 #[inline(always)]
 pub(super) fn lanes(n: usize) -> __mmask16 {

@@ -395,9 +395,10 @@ fn rice_positions_len(m: usize, k: u32, bits: u64) -> usize {
 /// Whether the sparse encoding's gap bytes could take fewer than `bytes`,
 /// estimated from a sample of the gaps (every eighth of a long list): the
 /// size of their Huffman code, corrected for the rare gaps a sample misses
-/// (Miller and Madow's `(symbols - 1) / (2 N ln 2)` bits per gap), plus zstd's headers and table (measured on those chunks: 20
-/// bytes and 0.6-1.2 bytes per symbol of the whole list, about one per
-/// symbol of the sample). zstd's matches can do better still on gaps that
+/// (Miller and Madow's `(symbols - 1) / (2 N ln 2)` bits per gap), plus
+/// zstd's headers and table (measured on those chunks: 20 bytes and
+/// 0.6-1.2 bytes per symbol of the whole list, about one per symbol of the
+/// sample). zstd's matches can do better still on gaps that
 /// repeat in runs, whose Huffman code is short too. On the training pairs'
 /// chunks of 4096 gaps or more the estimate is off from the gap bytes'
 /// size by 0.84 % on average (0.72 % sampling every fourth, 1.53 % every
@@ -1030,19 +1031,13 @@ fn prefix_block_portable<T: Copy + Into<u64>>(g: &[T; GAP_BLOCK], next: u64, n: 
     (at <= n).then_some(at)
 }
 
-/// The inclusive prefix sum of `gap + 1` over sixteen 32-bit gaps, in
-/// four shift-and-add steps.
+/// The inclusive prefix sum of `gap + 1` over sixteen 32-bit gaps.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 #[allow(unsafe_code)]
 unsafe fn gap_prefix(x: std::arch::x86_64::__m512i) -> std::arch::x86_64::__m512i {
     use std::arch::x86_64::*;
-    let zero = _mm512_setzero_si512();
-    let mut x = _mm512_add_epi32(x, _mm512_set1_epi32(1));
-    x = _mm512_add_epi32(x, _mm512_alignr_epi32::<15>(x, zero));
-    x = _mm512_add_epi32(x, _mm512_alignr_epi32::<14>(x, zero));
-    x = _mm512_add_epi32(x, _mm512_alignr_epi32::<12>(x, zero));
-    _mm512_add_epi32(x, _mm512_alignr_epi32::<8>(x, zero))
+    gather_x86::prefix_sum(_mm512_add_epi32(x, _mm512_set1_epi32(1)))
 }
 
 /// Lane 15 of `x`.
@@ -1113,8 +1108,9 @@ unsafe fn prefix_words_avx512(g: &[u32; GAP_BLOCK], next: u64, n: u64, out: &mut
 /// whole gaps, the escapes replaced by `255 + overflow varint` (`words`);
 /// either returns `None` when a position would leave the chunk. A block
 /// where anything is wrong (a position outside the chunk, the overflow
-/// stream ending early) is decoded again a gap at a time, which names the
-/// first thing wrong; so is the last, partial block.
+/// stream ending early) is decoded again a gap at a time
+/// (`gaps_one_at_a_time`), which names the first thing wrong; so is the
+/// last, partial block.
 #[inline(always)]
 fn positions_with(
     gaps: &[u8],
@@ -1160,16 +1156,35 @@ fn positions_with(
         };
         match after {
             Some(after) => next = after,
-            None => return Err(gap_error(gaps, overflow, at, next, block_opos, n, context)),
+            None => {
+                // Only a chunk of more than 2^32 elements gets past this.
+                positions.resize(gaps.len(), 0);
+                opos = block_opos;
+                gaps_one_at_a_time(&gaps[at..], overflow, &mut opos, next, n, context, &mut positions[at..])?;
+                return Err(Error::corrupt(context, "positions past 2^32 in a chunk"));
+            }
         }
     }
     let at = positions.len();
     positions.resize(gaps.len(), 0);
-    for (&gap, o) in blocks.remainder().iter().zip(&mut positions[at..]) {
+    gaps_one_at_a_time(blocks.remainder(), overflow, &mut opos, next, n, context, &mut positions[at..])?;
+    if opos != overflow.len() {
+        return Err(Error::corrupt(context, "unused bytes in the gap overflow stream"));
+    }
+    Ok(positions)
+}
+
+/// `gaps` decoded a gap at a time from `next` (the position after the
+/// last change before them), their positions into `out`, escapes' varints
+/// read from `opos` on: the last, partial block, and a block the vector
+/// sum refused, whose first wrong gap this names. Returns the position
+/// after the last.
+fn gaps_one_at_a_time(gaps: &[u8], overflow: &[u8], opos: &mut usize, mut next: u64, n: usize, context: &str, out: &mut [u32]) -> Result<u64> {
+    for (&gap, o) in gaps.iter().zip(out) {
         let gap = if gap < 255 {
             u64::from(gap)
         } else {
-            255 + get_varint(overflow, &mut opos, 5).ok_or_else(|| Error::corrupt(context, "gap overflow stream ends early"))?
+            255 + get_varint(overflow, opos, 5).ok_or_else(|| Error::corrupt(context, "gap overflow stream ends early"))?
         };
         let p = next + gap;
         if p >= n as u64 {
@@ -1178,34 +1193,7 @@ fn positions_with(
         *o = p as u32;
         next = p + 1;
     }
-    if opos != overflow.len() {
-        return Err(Error::corrupt(context, "unused bytes in the gap overflow stream"));
-    }
-    Ok(positions)
-}
-
-/// What is wrong in the gaps from `at` on (positions from `next`, overflow
-/// varints from `opos`), found a gap at a time: the first position outside
-/// the chunk, or the overflow stream ending early.
-#[cold]
-fn gap_error(gaps: &[u8], overflow: &[u8], at: usize, mut next: u64, mut opos: usize, n: usize, context: &str) -> Error {
-    for &gap in &gaps[at..] {
-        let gap = if gap < 255 {
-            u64::from(gap)
-        } else {
-            match get_varint(overflow, &mut opos, 5) {
-                Some(more) => 255 + more,
-                None => return Error::corrupt(context, "gap overflow stream ends early"),
-            }
-        };
-        let p = next + gap;
-        if p >= n as u64 {
-            return Error::corrupt(context, format!("position {p} outside the chunk of {n} elements"));
-        }
-        next = p + 1;
-    }
-    // Only a chunk of more than 2^32 elements gets here.
-    Error::corrupt(context, "positions past 2^32 in a chunk")
+    Ok(next)
 }
 
 /// A decoded chunk: validated, ready to be applied to a target range.

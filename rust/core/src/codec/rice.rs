@@ -492,7 +492,7 @@ mod avx512 {
     use std::sync::OnceLock;
 
     use super::super::bits::BitWriter;
-    use super::super::gather_x86::lanes;
+    use super::super::gather_x86::{lanes, prefix_sum};
 
     /// The largest parameter the kernel reads: a low part and its bit
     /// offset within a byte fit one 32-bit load.
@@ -584,7 +584,6 @@ mod avx512 {
         let one32 = _mm512_set1_epi32(1);
         let one64 = _mm512_set1_epi64(1);
         let sixty_four = _mm512_set1_epi64(64);
-        let zero = _mm512_setzero_si512();
         let blocks = gaps.chunks_exact(16);
         let rest = blocks.remainder();
         for block in blocks {
@@ -595,11 +594,7 @@ mod avx512 {
                 at = super::put_unary_block(unary, at, block, k);
                 continue;
             }
-            let mut e = _mm512_add_epi32(q, one32);
-            e = _mm512_add_epi32(e, _mm512_alignr_epi32::<15>(e, zero));
-            e = _mm512_add_epi32(e, _mm512_alignr_epi32::<14>(e, zero));
-            e = _mm512_add_epi32(e, _mm512_alignr_epi32::<12>(e, zero));
-            e = _mm512_add_epi32(e, _mm512_alignr_epi32::<8>(e, zero));
+            let e = prefix_sum(_mm512_add_epi32(q, one32));
             let total = _mm512_cvtsi512_si32(_mm512_alignr_epi32::<15>(e, e)) as u32;
             let word_at = (at / 64) as usize;
             // The ones' offsets from that word's first bit.
@@ -673,11 +668,7 @@ mod avx512 {
             let index = _mm512_add_epi32(_mm512_set1_epi32(i as i32), iota);
             let bit = _mm512_add_epi32(_mm512_set1_epi32(at as i32), _mm512_mullo_epi32(index, vk));
             let bytes = _mm512_mask_i32gather_epi32::<1>(zero, m, _mm512_srli_epi32::<3>(bit), lows.as_ptr().cast());
-            let mut x = _mm512_and_si512(_mm512_srlv_epi32(bytes, _mm512_and_si512(bit, seven)), mask);
-            x = _mm512_add_epi32(x, _mm512_alignr_epi32::<15>(x, zero));
-            x = _mm512_add_epi32(x, _mm512_alignr_epi32::<14>(x, zero));
-            x = _mm512_add_epi32(x, _mm512_alignr_epi32::<12>(x, zero));
-            x = _mm512_add_epi32(x, _mm512_alignr_epi32::<8>(x, zero));
+            let x = prefix_sum(_mm512_and_si512(_mm512_srlv_epi32(bytes, _mm512_and_si512(bit, seven)), mask));
             let sums = _mm512_add_epi32(x, carry);
             carry = _mm512_permutexvar_epi32(last, sums);
             let at_slots = slots.as_mut_ptr().add(i);
@@ -737,11 +728,7 @@ mod avx512 {
             let m = lanes(n - i);
             // Masked loads read (and may fault on) only the bytes taken.
             let bytes = _mm512_maskz_loadu_epi8(if n - i >= 16 { whole } else { taken((n - i) as u32) }, block.cast());
-            let mut x = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi8(index, bytes), shifts), mask);
-            x = _mm512_add_epi32(x, _mm512_alignr_epi32::<15>(x, zero));
-            x = _mm512_add_epi32(x, _mm512_alignr_epi32::<14>(x, zero));
-            x = _mm512_add_epi32(x, _mm512_alignr_epi32::<12>(x, zero));
-            x = _mm512_add_epi32(x, _mm512_alignr_epi32::<8>(x, zero));
+            let x = prefix_sum(_mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi8(index, bytes), shifts), mask));
             let sums = _mm512_add_epi32(x, carry);
             // The block's total is broadcast from `x`, not from `sums`, so
             // that only an add is on the chain from block to block.

@@ -740,7 +740,7 @@ pub(super) mod avx512 {
 
     use super::{class_of, Decoder, LANES, SCALE, SCALE_BITS, SLOT_CLASS_PADDING, STATE_LOW};
     use crate::codec::bits::BitWriter;
-    use crate::codec::gather_x86::{self, gather_words, store_widened, HighWords, StepModel32};
+    use crate::codec::gather_x86::{self, gather_words, prefix_sum, store_widened, HighWords, StepModel32};
 
     /// Changes per block of `decode_groups`: their old words and tables
     /// are gathered first, then their states' chain runs.
@@ -797,16 +797,6 @@ pub(super) mod avx512 {
                 with_raw &= with_raw - 1;
             }
         }
-    }
-
-    /// The inclusive prefix sum of the sixteen lanes of `v`.
-    #[inline(always)]
-    unsafe fn prefix_sum(v: __m512i) -> __m512i {
-        let zero = _mm512_setzero_si512();
-        let v = _mm512_add_epi32(v, _mm512_alignr_epi32::<15>(v, zero));
-        let v = _mm512_add_epi32(v, _mm512_alignr_epi32::<14>(v, zero));
-        let v = _mm512_add_epi32(v, _mm512_alignr_epi32::<12>(v, zero));
-        _mm512_add_epi32(v, _mm512_alignr_epi32::<8>(v, zero))
     }
 
     /// The `bits[k]` bits at bit `at[k]` of `raw` (which ends with eight
