@@ -57,6 +57,20 @@ pub(super) fn kernel_prefix(positions: &[u32], width: usize, len: usize, first_e
     }
 }
 
+/// The largest position the kernels may take in a slice of `len` bytes of
+/// `width`-byte words whose first is element `first_element` of its tensor:
+/// its 4-byte load ends inside the slice, it is a valid signed 32-bit gather
+/// index, and its unit index stays below 2^32. `None` where no position
+/// can (8-byte words, a slice under 4 bytes, a CPU without the kernels).
+pub(super) fn position_limit(width: usize, len: usize, first_element: u64) -> Option<u32> {
+    if width > 4 || len < 4 || !available() {
+        return None;
+    }
+    let by_load = ((len - 4) / width) as u64;
+    let by_unit = ((1u64 << 32) - 1).checked_sub(first_element)?;
+    Some(by_load.min(by_unit).min((1 << 31) - 1) as u32)
+}
+
 /// The largest of `positions` (0 when empty).
 #[target_feature(enable = "avx512f")]
 unsafe fn largest(positions: &[u32]) -> u32 {
@@ -71,7 +85,7 @@ unsafe fn largest(positions: &[u32]) -> u32 {
 }
 
 /// How many changes ahead the apply prefetches the words it will load.
-const PREFETCH_AHEAD: usize = 64;
+const PREFETCH_AHEAD: usize = 160;
 
 /// The inclusive prefix sum of the sixteen 32-bit lanes of `v` (four
 /// shift-and-add steps).
@@ -123,13 +137,18 @@ pub(super) unsafe fn store_widened(dst: *mut u64, m: __mmask16, v: __m512i) {
 /// Apply a chunk's sparse changes to `target` (the chunk's bytes), `first`
 /// being the chunk's first element in its tensor: the change at
 /// `positions[k]` has the value word (an XOR mask, or the new bits when
-/// `xor` is false) whose byte `j` is `planes[j][k]`. Returns the digest
-/// move. The words are gathered and hashed sixteen at a time and stored
-/// one by one (a 32-bit scatter would also write the neighbouring words,
-/// which may belong to a chunk another thread is writing).
+/// `xor` is false) whose byte `j` is `planes[j][k]`. The words are gathered
+/// and hashed sixteen at a time and stored one by one (a 32-bit scatter
+/// would also write the neighbouring words, which may belong to a chunk
+/// another thread is writing). Each group of sixteen is checked against
+/// `limit` before it is gathered (a compare per group, where a pass for the
+/// largest position read them all once more): the kernel stops before the
+/// first group with a position beyond it (the last few of a chunk, whose
+/// 4-byte loads would leave it). Returns the digest move and how many
+/// leading changes it applied.
 ///
 /// # Safety
-/// `fits(positions, W, target.len(), first)`, and `W` is 1, 2 or 4.
+/// `limit` is `position_limit(W, target.len(), first)`, and `W` is 1, 2 or 4.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 pub(super) unsafe fn apply_sparse<const W: i32>(
     target: &mut [u8],
@@ -137,10 +156,12 @@ pub(super) unsafe fn apply_sparse<const W: i32>(
     planes: &[&[u8]],
     xor: bool,
     first: u32,
-) -> DigestSum {
+    limit: u32,
+) -> (DigestSum, usize) {
     let w = W as usize;
-    debug_assert!(fits(positions, w, target.len(), u64::from(first)));
+    debug_assert_eq!(Some(limit), position_limit(w, target.len(), u64::from(first)));
     let n = positions.len();
+    let vlimit = _mm512_set1_epi32(limit as i32);
     assert!(planes.len() >= w && planes[..w].iter().all(|p| p.len() == n), "one byte per position in each of the {w} planes");
     let base = target.as_ptr();
     let vfirst = _mm512_set1_epi32(first as i32);
@@ -155,6 +176,9 @@ pub(super) unsafe fn apply_sparse<const W: i32>(
         }
         let m = lanes(n - i);
         let vp = _mm512_maskz_loadu_epi32(m, positions.as_ptr().add(i).cast());
+        if _mm512_mask_cmpgt_epu32_mask(m, vp, vlimit) != 0 {
+            break;
+        }
         let vo = gather_words::<W>(base, m, vp);
         let mut vv = _mm512_setzero_si512();
         for (j, plane) in planes[..w].iter().enumerate() {
@@ -165,13 +189,18 @@ pub(super) unsafe fn apply_sparse<const W: i32>(
         add_moves(&mut acc, _mm512_add_epi32(vfirst, vp), vo, vn);
         _mm512_storeu_si512(written.as_mut_ptr().cast(), vn);
         let group = &positions[i..(i + 16).min(n)];
+        // Every position of the group is at most `limit`, checked above.
+        let out = target.as_mut_ptr();
         for (&p, v) in group.iter().zip(written) {
-            let at = p as usize * w;
-            target[at..at + w].copy_from_slice(&v.to_le_bytes()[..w]);
+            match W {
+                1 => out.add(p as usize).write(v as u8),
+                2 => out.add(2 * p as usize).cast::<u16>().write_unaligned(v as u16),
+                _ => out.add(4 * p as usize).cast::<u32>().write_unaligned(v),
+            }
         }
         i += 16;
     }
-    moves_sum(&acc)
+    (moves_sum(&acc), i.min(n))
 }
 
 /// The value words of the changes at `positions` between `old` and `new`
@@ -376,6 +405,74 @@ mod tests {
         p
     }
 
+    /// `old` with the changes at `positions` (values `vals`, XOR masks or new
+    /// words) written word by word, and their digest move.
+    fn applied_word_by_word(old: &[u8], positions: &[u32], vals: &[u32], w: usize, xor: bool, first: u64) -> (Vec<u8>, DigestSum) {
+        let (mut out, mut moves) = (old.to_vec(), DigestMoves::new(w));
+        for (&p, &v) in positions.iter().zip(vals) {
+            let o = word(&out, p, w);
+            let nw = if xor { o ^ v } else { v };
+            out[p as usize * w..][..w].copy_from_slice(&nw.to_le_bytes()[..w]);
+            moves.word(first + u64::from(p), u64::from(o), u64::from(nw));
+        }
+        (out, moves.finish())
+    }
+
+    /// `apply_sparse` for words of `w` bytes.
+    ///
+    /// # Safety
+    /// As for `apply_sparse`.
+    unsafe fn apply_kernel(w: usize, target: &mut [u8], positions: &[u32], planes: &[&[u8]], xor: bool, first: u32, limit: u32) -> (DigestSum, usize) {
+        unsafe {
+            match w {
+                1 => apply_sparse::<1>(target, positions, planes, xor, first, limit),
+                2 => apply_sparse::<2>(target, positions, planes, xor, first, limit),
+                _ => apply_sparse::<4>(target, positions, planes, xor, first, limit),
+            }
+        }
+    }
+
+    #[test]
+    fn position_limit_keeps_every_load_and_index_in_range() {
+        // 100 words of 2 bytes: a load at word 98 ends at byte 200, at 99 past it.
+        if !available() {
+            assert_eq!(position_limit(2, 200, 0), None);
+            return;
+        }
+        assert_eq!(position_limit(2, 200, 0), Some(98));
+        assert_eq!(position_limit(4, 200, 0), Some(49));
+        assert_eq!(position_limit(1, 200, 0), Some(196));
+        assert_eq!(position_limit(8, 200, 0), None, "8-byte words take the scalar loop");
+        assert_eq!(position_limit(2, 3, 0), None, "no 4-byte load fits");
+        assert_eq!(position_limit(2, 200, (1 << 32) - 6), Some(5), "unit indices stay below 2^32");
+        assert_eq!(position_limit(2, 200, 1 << 32), None);
+        assert_eq!(position_limit(1, 1 << 33, 0), Some((1 << 31) - 1), "gather indices are signed 32-bit");
+    }
+
+    /// A position out of order past the limit (which no decoder makes):
+    /// the kernel stops before its group and writes nothing there.
+    #[test]
+    fn apply_stops_before_a_group_past_the_limit() {
+        if !available() {
+            return;
+        }
+        let mut next = xorshift(11);
+        let (w, n) = (2usize, 1000u32);
+        let old: Vec<u8> = (0..n as usize * w).map(|_| next() as u8).collect();
+        let mut pos: Vec<u32> = (0..64).map(|k| 3 * k).collect();
+        pos[37] = n + 5;
+        let vals: Vec<u32> = pos.iter().map(|_| 1 + (next() as u32 & 0xFFFE)).collect();
+        let planes: Vec<Vec<u8>> = (0..w).map(|j| vals.iter().map(|v| (v >> (8 * j)) as u8).collect()).collect();
+        let planes: Vec<&[u8]> = planes.iter().map(|p| &p[..]).collect();
+        let limit = position_limit(w, old.len(), 0).unwrap();
+        let mut got = old.clone();
+        let (moved, done) = unsafe { apply_kernel(w, &mut got, &pos, &planes, true, 0, limit) };
+        assert_eq!(done, 32, "the groups before the one holding the bad position");
+        let (want, want_moves) = applied_word_by_word(&old, &pos[..32], &vals, w, true, 0);
+        assert_eq!(got, want);
+        assert_eq!(moved, want_moves);
+    }
+
     #[test]
     fn planes_split_as_the_portable_loop_does() {
         if !available() {
@@ -430,31 +527,30 @@ mod tests {
                 let first = next() % (1 << 30);
                 let fit = fits(&pos, w, len, first);
                 assert_eq!(fit, !pos.is_empty() && (*pos.last().unwrap() as usize) * w + 4 <= len, "w {w} n {n}");
-                if !fit {
+                let Some(limit) = position_limit(w, len, first) else {
+                    assert!(!fit && len < 4, "w {w} n {n}: no kernel for a slice under 4 bytes");
                     continue;
-                }
+                };
                 for xor in [true, false] {
-                    // Apply: the kernel against word-by-word stores and moves.
+                    // Apply: the kernel against word-by-word stores and
+                    // moves of the changes it says it applied, which are all
+                    // but the groups from the first with a position past
+                    // `limit` (the last few, whose 4-byte loads would leave
+                    // the slice).
                     let vals: Vec<u32> = pos.iter().map(|_| next() as u32 & ((1u64 << (8 * w)) - 1) as u32).collect();
-                    let (mut want, mut want_moves) = (old[..len].to_vec(), DigestMoves::new(w));
-                    for (&p, &v) in pos.iter().zip(&vals) {
-                        let o = word(&want, p, w);
-                        let nw = if xor { o ^ v } else { v };
-                        want[p as usize * w..][..w].copy_from_slice(&nw.to_le_bytes()[..w]);
-                        want_moves.word(first + u64::from(p), u64::from(o), u64::from(nw));
-                    }
+                    let stop = pos.iter().position(|&p| p > limit).map_or(pos.len(), |k| k / 16 * 16);
+                    let (want, want_moves) = applied_word_by_word(&old[..len], &pos[..stop], &vals, w, xor, first);
                     let planes: Vec<Vec<u8>> = (0..w).map(|j| vals.iter().map(|v| (v >> (8 * j)) as u8).collect()).collect();
                     let planes: Vec<&[u8]> = planes.iter().map(|p| &p[..]).collect();
                     let mut got = old[..len].to_vec();
-                    let moved = unsafe {
-                        match w {
-                            1 => apply_sparse::<1>(&mut got, &pos, &planes, xor, first as u32),
-                            2 => apply_sparse::<2>(&mut got, &pos, &planes, xor, first as u32),
-                            _ => apply_sparse::<4>(&mut got, &pos, &planes, xor, first as u32),
-                        }
-                    };
+                    let (moved, done) = unsafe { apply_kernel(w, &mut got, &pos, &planes, xor, first as u32, limit) };
+                    assert_eq!(done, stop, "apply: w {w} n {n} xor {xor}: changes applied");
+                    assert_eq!(done == pos.len(), fit, "the kernel takes every change exactly where they all fit");
                     assert_eq!(got, want, "apply: w {w} n {n} xor {xor}");
-                    assert_eq!(moved, want_moves.finish(), "apply digest move: w {w} n {n} xor {xor}");
+                    assert_eq!(moved, want_moves, "apply digest move: w {w} n {n} xor {xor}");
+                    if !fit {
+                        continue;
+                    }
                     // Gather: value words and the digest move from old to new.
                     let overwrite = !xor;
                     let (o, nw) = (&old[..len], &new_side[..len]);

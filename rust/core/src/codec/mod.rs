@@ -839,6 +839,13 @@ fn decode(payload: &[u8], n: usize, width: usize, encoding: Encoding, n_changed:
     }
 }
 
+/// A switch for comparing two variants of the code in one process
+/// (`examples/ab_timing.rs` flips it between repeats; the variant under
+/// study reads it): on this project's noisy hosts only paired repeats show
+/// differences of a few percent.
+#[cfg(feature = "ab-switch")]
+pub static AB_SWITCH: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// How many changes ahead the apply loop prefetches its target words.
 const PREFETCH_AHEAD: usize = 64;
 
@@ -958,21 +965,21 @@ fn apply_sparse_kernels(
     xor: bool,
     first_element: u64,
 ) -> Option<(DigestSum, usize)> {
-    let cut = gather_x86::kernel_prefix(positions, w, target.len(), first_element);
-    if cut > 0 {
-        let (head, planes) = (&positions[..cut], lanes.map(|l| &l[..cut.min(l.len())]));
-        // Safety: `kernel_prefix` took only positions that `fits`: the CPU
-        // has the kernel's features, `w` is 1, 2 or 4, and every load and
-        // lane fits.
+    if let Some(limit) = gather_x86::position_limit(w, target.len(), first_element) {
+        let planes = lanes.map(|l| &l[..positions.len().min(l.len())]);
+        // Safety: `limit` is the kernel's (`position_limit` also found that
+        // the CPU has its features and that `w` is 1, 2 or 4).
         #[allow(unsafe_code)]
-        let moved = unsafe {
+        let (moved, done) = unsafe {
             match w {
-                1 => gather_x86::apply_sparse::<1>(target, head, &planes, xor, first_element as u32),
-                2 => gather_x86::apply_sparse::<2>(target, head, &planes, xor, first_element as u32),
-                _ => gather_x86::apply_sparse::<4>(target, head, &planes, xor, first_element as u32),
+                1 => gather_x86::apply_sparse::<1>(target, positions, &planes, xor, first_element as u32, limit),
+                2 => gather_x86::apply_sparse::<2>(target, positions, &planes, xor, first_element as u32, limit),
+                _ => gather_x86::apply_sparse::<4>(target, positions, &planes, xor, first_element as u32, limit),
             }
         };
-        return Some((moved, cut));
+        if done > 0 {
+            return Some((moved, done));
+        }
     }
     if !avx2_available() || first_element + positions.last().map_or(0, |&p| u64::from(p)) >= 1 << 32 {
         return None;

@@ -17,6 +17,8 @@
 //! stay below `limit` take at most `count + (limit >> k)` bits, which also
 //! bounds what a decoder scans.
 
+use std::mem::MaybeUninit;
+
 use super::bits::BitWriter;
 
 /// The bits of the gaps as Rice codes with parameters `k0`, `k0 + 1` and
@@ -221,10 +223,17 @@ impl RiceReader {
         if self.low_at + count * u64::from(k) > self.low_bits {
             return Err("position stream ends early");
         }
+        // The slots are written by `select` before anything reads them: not
+        // zeroed first (a pass over 4 bytes per change).
         let start = out.len();
-        out.resize(start + count as usize, 0);
+        out.reserve(count as usize);
+        let zeros = self.select(&mut out.spare_capacity_mut()[..count as usize], limit >> k)?;
+        // Safety: `select` wrote each of the `count` slots after `start`.
+        #[allow(unsafe_code)]
+        unsafe {
+            out.set_len(start + count as usize)
+        };
         let slots = &mut out[start..];
-        let zeros = self.select(slots, limit >> k)?;
         let low_at = self.low_at;
         self.low_at += count * u64::from(k);
         // Every value is at most the last, which is at most this: when it
@@ -247,7 +256,7 @@ impl RiceReader {
     /// bits end after the last. Returns the list's zeros. At most
     /// `max_zeros` zeros are read: more cannot belong to values below the
     /// caller's limit.
-    fn select(&mut self, slots: &mut [u32], max_zeros: u64) -> Result<u64, &'static str> {
+    fn select(&mut self, slots: &mut [MaybeUninit<u32>], max_zeros: u64) -> Result<u64, &'static str> {
         let count = slots.len() as u64;
         let from = self.unary_at;
         let end = self.unary_bits.min(from + count + max_zeros);
@@ -255,7 +264,9 @@ impl RiceReader {
             return Err(if end == self.unary_bits { "position stream ends early" } else { "positions beyond the chunk's elements" });
         }
         // The last one is at `zeros + count - 1` from the list's start.
-        let zeros = u64::from(slots[slots.len() - 1]);
+        // Safety: `select_ones` wrote every slot (it found them all).
+        #[allow(unsafe_code)]
+        let zeros = u64::from(unsafe { slots[slots.len() - 1].assume_init() });
         self.unary_at = from + zeros + count;
         Ok(zeros)
     }
@@ -277,7 +288,7 @@ impl RiceReader {
 /// one (bits `from..end` only), less the ones between them: the zeros
 /// before each one since `from`. False when fewer ones than slots lie
 /// there. `end - from` must be below 2^32.
-fn select_ones(unary: &[u64], from: u64, end: u64, slots: &mut [u32]) -> bool {
+fn select_ones(unary: &[u64], from: u64, end: u64, slots: &mut [MaybeUninit<u32>]) -> bool {
     #[cfg(target_arch = "x86_64")]
     if avx512::has_kernels() {
         // Safety: the CPU has the kernel's features (just checked).
@@ -291,7 +302,7 @@ fn select_ones(unary: &[u64], from: u64, end: u64, slots: &mut [u32]) -> bool {
 /// one slot per one of `word` (as many as `slots`), the slot of the `j`-th
 /// being `zeros_at + its bit - j`.
 #[inline(always)]
-fn select_ones_with(unary: &[u64], from: u64, end: u64, slots: &mut [u32], emit: impl Fn(&mut [u32], u64, u32)) -> bool {
+fn select_ones_with(unary: &[u64], from: u64, end: u64, slots: &mut [MaybeUninit<u32>], emit: impl Fn(&mut [MaybeUninit<u32>], u64, u32)) -> bool {
     let mut word_at = from / 64;
     let mut word = unary[word_at as usize] & (u64::MAX << (from % 64));
     let mut found = 0usize;
@@ -330,9 +341,9 @@ fn lowest_ones(mut word: u64, keep: usize) -> u64 {
 }
 
 #[inline(always)]
-fn emit_ones(slots: &mut [u32], mut word: u64, zeros_at: u32) {
+fn emit_ones(slots: &mut [MaybeUninit<u32>], mut word: u64, zeros_at: u32) {
     for (j, slot) in slots.iter_mut().enumerate() {
-        *slot = zeros_at.wrapping_add(word.trailing_zeros()).wrapping_sub(j as u32);
+        slot.write(zeros_at.wrapping_add(word.trailing_zeros()).wrapping_sub(j as u32));
         word &= word - 1;
     }
 }
@@ -489,6 +500,7 @@ mod avx2 {
 #[allow(unsafe_code)]
 mod avx512 {
     use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
     use std::sync::OnceLock;
 
     use super::super::bits::BitWriter;
@@ -621,7 +633,7 @@ mod avx512 {
     /// # Safety
     /// The CPU has AVX-512 F, BW and VBMI2 (`has_kernels`).
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi2,popcnt")]
-    pub(super) unsafe fn select_ones(unary: &[u64], from: u64, end: u64, slots: &mut [u32]) -> bool {
+    pub(super) unsafe fn select_ones(unary: &[u64], from: u64, end: u64, slots: &mut [MaybeUninit<u32>]) -> bool {
         let bit_numbers = _mm512_set_epi8(
             63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31,
             30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0,
@@ -953,10 +965,13 @@ mod tests {
                 let from = next() % (64 * 39);
                 let end = from + next() % (64 * 40 - from);
                 let count = 1 + (next() % 300) as usize;
-                let mut scalar = vec![0u32; count];
+                let mut scalar = vec![MaybeUninit::new(0u32); count];
                 let found = select_ones_with(&unary, from, end, &mut scalar, emit_ones);
-                let mut fast = vec![0u32; count];
+                let mut fast = vec![MaybeUninit::new(0u32); count];
                 assert_eq!(select_ones(&unary, from, end, &mut fast), found);
+                // Safety: initialized above (the kernels write only u32s).
+                #[allow(unsafe_code)]
+                let (scalar, fast): (Vec<u32>, Vec<u32>) = unsafe { (scalar.iter().map(|s| s.assume_init()).collect(), fast.iter().map(|s| s.assume_init()).collect()) };
                 if found {
                     assert_eq!(fast, scalar, "from {from} end {end} count {count}");
                     // Each slot is the zeros before its one since `from`.

@@ -1,0 +1,64 @@
+//! A/B timing in one process: the apply of the delta from OLD to NEW (or,
+//! with `STAGE=diff` in the environment, the diff), base digests known, one
+//! thread, with `codec::AB_SWITCH` off (A) and on (B) in alternate repeats;
+//! prints both medians and the median of the paired ratios B/A. Build with
+//! the switch: `cargo run --release -p dcr-core --features ab-switch
+//! --example ab_timing OLD NEW [REPEATS]` (`MODE=context` for that mode).
+//! The code under study reads `codec::AB_SWITCH` to pick its variant; an
+//! A/A run (nothing reads it) shows the harness's own spread (+-1 %).
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use dcr_core::checkpoint::ReadOnlyCheckpoint;
+use dcr_core::codec;
+use dcr_core::delta::{self, DiffOptions};
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let a = ReadOnlyCheckpoint::open(&args[1]).unwrap();
+    let b = ReadOnlyCheckpoint::open(&args[2]).unwrap();
+    let repeats: usize = args.get(3).map_or(200, |r| r.parse().unwrap());
+    let layout = a.layout().clone();
+    let (ob, nb) = (a.buffers(), b.buffers());
+    let context = std::env::var("MODE").is_ok_and(|m| m == "context");
+    let opts = DiffOptions { mode: if context { codec::Mode::Context } else { codec::Mode::Free }, ..Default::default() };
+    let mut bytes = Vec::new();
+    delta::diff(&layout, &ob, &nb, &opts, &mut |f| {
+        bytes.extend_from_slice(f);
+        Ok(())
+    }, &mut |_, _| {}).unwrap();
+    let parsed = delta::read_delta(&bytes).unwrap();
+    let base = layout.tensor_digests(&ob);
+    let mut work: Vec<Vec<u8>> = ob.iter().map(|x| x.to_vec()).collect();
+    let mut times = [Vec::new(), Vec::new()];
+    let diff_stage = std::env::var("STAGE").is_ok_and(|s| s == "diff");
+    for r in 0..2 * repeats {
+        let variant = r % 2;
+        codec::AB_SWITCH.store(variant == 1, Ordering::Relaxed);
+        for (w, o) in work.iter_mut().zip(&ob) {
+            w.copy_from_slice(o);
+        }
+        let mut targets: Vec<&mut [u8]> = work.iter_mut().map(|w| &mut w[..]).collect();
+        let t = Instant::now();
+        if diff_stage {
+            let mut n = 0usize;
+            dcr_core::exec::on_this_thread(|| delta::diff_from(&layout, &ob, &nb, Some(&base), &opts, &mut |f| {
+                n += f.len();
+                Ok(())
+            }, &mut |_, _| {}).unwrap());
+            std::hint::black_box(n);
+        } else {
+            dcr_core::exec::on_this_thread(|| delta::apply_from(&parsed, &layout, &mut targets, Some(&base)).unwrap());
+        }
+        times[variant].push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let ratios: Vec<f64> = times[1].iter().zip(&times[0]).map(|(b, a)| b / a).collect();
+    let med = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        (v[v.len() / 2], v[0])
+    };
+    let (a, amin) = med(&times[0]);
+    let (b, bmin) = med(&times[1]);
+    println!("A median {a:.3} ms (min {amin:.3}), B median {b:.3} ms (min {bmin:.3}), median paired B/A {:.4}", med(&ratios).0);
+}
