@@ -4,7 +4,8 @@
 //! prints both medians and the median of the paired ratios B/A. Build with
 //! the switch: `cargo run --release -p dcr-core --features ab-switch
 //! --example ab_timing OLD NEW [REPEATS]` (`MODE=context` for that mode).
-//! The code under study reads `codec::AB_SWITCH` to pick its variant; an
+//! With `COLD=1` each repeat starts with the caches evicted (see
+//! `common::evict_caches`). The code under study reads `codec::AB_SWITCH` to pick its variant; an
 //! A/A run (nothing reads it) shows the harness's own spread (+-1 %).
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -12,6 +13,9 @@ use std::time::Instant;
 use dcr_core::checkpoint::ReadOnlyCheckpoint;
 use dcr_core::codec;
 use dcr_core::delta::{self, DiffOptions};
+
+mod common;
+use common::evict_caches;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -39,6 +43,7 @@ fn main() {
             w.copy_from_slice(o);
         }
         let mut targets: Vec<&mut [u8]> = work.iter_mut().map(|w| &mut w[..]).collect();
+        evict_caches();
         let t = Instant::now();
         if diff_stage {
             let mut n = 0usize;
