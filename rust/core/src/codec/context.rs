@@ -840,7 +840,7 @@ struct Parsed<'a> {
     buckets: Buckets,
     listed: Vec<Listed>,
     /// The Rice codes of the Rice-mode buckets, in table order.
-    rice: Vec<u8>,
+    rice: std::borrow::Cow<'a, [u8]>,
     /// One bit per change: its step is negative.
     signs: &'a [u8],
     /// The step magnitudes' sections when they are table-coded.

@@ -763,7 +763,7 @@ enum Decoded {
 fn read_planes(r: &mut StreamReader<'_>, width: usize, count: usize) -> Result<Vec<Vec<u8>>> {
     let mut planes: Vec<Vec<u8>> = Vec::with_capacity(width);
     for j in (0..width).rev() {
-        planes.push(r.next(&format!("plane {j}"), count, count)?);
+        planes.push(r.next(&format!("plane {j}"), count, count)?.into_owned());
     }
     planes.reverse();
     Ok(planes)

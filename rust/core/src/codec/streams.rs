@@ -2,6 +2,7 @@
 //! zstd, behind a small header, and decoded with a length bounded by the
 //! caller before any allocation.
 
+use std::borrow::Cow;
 use std::cell::RefCell;
 
 use crate::error::{Error, Result};
@@ -308,8 +309,9 @@ impl<'a> StreamReader<'a> {
         StreamReader { rest: payload, context }
     }
 
-    /// Next stream, whose decoded length must lie in `min_len..=max_len`.
-    pub fn next(&mut self, name: &str, min_len: usize, max_len: usize) -> Result<Vec<u8>> {
+    /// Next stream, whose decoded length must lie in `min_len..=max_len`:
+    /// borrowed from the payload where it is stored as is.
+    pub fn next(&mut self, name: &str, min_len: usize, max_len: usize) -> Result<Cow<'a, [u8]>> {
         let ctx = || format!("{}, stream {name}", self.context);
         let truncated = || Error::truncated(ctx(), 1, 0);
         let codec = *self.rest.first().ok_or_else(truncated)?;
@@ -321,7 +323,7 @@ impl<'a> StreamReader<'a> {
         if codec == NONZERO {
             let (out, used) = nonzero_bytes(&self.rest[pos..], raw_len, &ctx())?;
             self.rest = &self.rest[pos + used..];
-            return Ok(out);
+            return Ok(Cow::Owned(out));
         }
         let stored_len = match codec {
             ZSTD => get_varint(self.rest, &mut pos, 5).ok_or_else(truncated)? as usize,
@@ -334,8 +336,8 @@ impl<'a> StreamReader<'a> {
         let body = &self.rest[pos..body_end];
         self.rest = &self.rest[body_end..];
         match codec {
-            STORED => Ok(body.to_vec()),
-            ZSTD => zstd_decompress(body, raw_len, &ctx()),
+            STORED => Ok(Cow::Borrowed(body)),
+            ZSTD => Ok(Cow::Owned(zstd_decompress(body, raw_len, &ctx())?)),
             code => Err(Error::UnknownCode { what: "stream codec", code, context: ctx() }),
         }
     }
@@ -389,7 +391,7 @@ mod tests {
 
     fn read_back(stream: &[u8], max_len: usize) -> Result<Vec<u8>> {
         let mut r = StreamReader::new(stream, "test");
-        let out = r.next("plane", 0, max_len)?;
+        let out = r.next("plane", 0, max_len)?.into_owned();
         r.finish()?;
         Ok(out)
     }
