@@ -5,8 +5,9 @@
 //! the switch: `cargo run --release -p dcr-core --features ab-switch
 //! --example ab_timing OLD NEW [REPEATS]` (`MODE=context` for that mode).
 //! With `COLD=1` each repeat starts with the caches evicted (see
-//! `common::evict_caches`). The code under study reads `codec::AB_SWITCH` to pick its variant; an
-//! A/A run (nothing reads it) shows the harness's own spread (+-1 %).
+//! `common::evict_caches`). The code under study reads `codec::AB_SWITCH`
+//! to pick its variant; an A/A run (nothing reads it) shows the harness's
+//! own spread (+-1 %).
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 

@@ -493,50 +493,40 @@ impl Survey {
     }
 
     /// Room for `m` changes in the buffers of the chunk this thread encoded
-    /// before (`ENCODE_SCRATCH`): their contexts and magnitudes hold
-    /// whatever that chunk left, and `survey` overwrites every one; the
-    /// signs are zero.
+    /// before (`reused`): their contexts and magnitudes hold whatever that
+    /// chunk left, and `survey` overwrites every one; the signs are zero.
     fn for_changes(m: usize) -> Self {
-        let (mut contexts, mut magnitudes) = ENCODE_SCRATCH.with(|cell| {
-            let mut scratch = cell.borrow_mut();
-            (std::mem::take(&mut scratch.contexts), std::mem::take(&mut scratch.magnitudes))
-        });
-        contexts.resize(m, 0);
-        magnitudes.resize(m, 0);
-        Survey { contexts, magnitudes, signs: vec![0; m.div_ceil(16)] }
+        Survey { contexts: reused(&CONTEXTS, m), magnitudes: reused(&MAGNITUDES, m), signs: vec![0; m.div_ceil(16)] }
     }
 }
 
-/// The buffers of the last chunk a thread encoded in context mode, for the
-/// next (`Survey::for_changes`, `BucketGaps::with_counts`): a chunk's fresh
-/// buffers were zeroed and their pages faulted in anew (3-4 % of the
-/// context encode's samples at fp32m 10->15). At most 32 MiB each are kept.
-#[derive(Default)]
-struct EncodeScratch {
-    contexts: Vec<u16>,
-    magnitudes: Vec<u64>,
-    gaps: Vec<u32>,
-}
+type Reusable<T> = std::thread::LocalKey<std::cell::RefCell<Vec<T>>>;
 
 thread_local! {
-    static ENCODE_SCRATCH: std::cell::RefCell<EncodeScratch> = std::cell::RefCell::new(EncodeScratch::default());
+    /// Per thread, the buffers of the last chunk it encoded or decoded in
+    /// context mode, for the next (`reused`, `keep`): a chunk's fresh
+    /// buffers were zeroed and their pages faulted in anew (in the encode,
+    /// 3-4 % of its samples at fp32m 10->15).
+    static CONTEXTS: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
+    static MAGNITUDES: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
+    static GAPS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+    static VALUES: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Hand a chunk's buffers back for the next chunk this thread encodes.
-fn recycle_encode_buffers(contexts: Vec<u16>, magnitudes: Vec<u64>, gaps: Vec<u32>) {
-    const KEEP_BYTES: usize = 32 << 20;
-    ENCODE_SCRATCH.with(|cell| {
-        let mut scratch = cell.borrow_mut();
-        if contexts.capacity() * 2 <= KEEP_BYTES {
-            scratch.contexts = contexts;
-        }
-        if magnitudes.capacity() * 8 <= KEEP_BYTES {
-            scratch.magnitudes = magnitudes;
-        }
-        if gaps.capacity() * 4 <= KEEP_BYTES {
-            scratch.gaps = gaps;
-        }
-    });
+/// `len` elements in the buffer `slot` holds: whatever the chunk before
+/// left there, zeros where it grows. The caller overwrites every one.
+fn reused<T: Copy + Default>(slot: &'static Reusable<T>, len: usize) -> Vec<T> {
+    let mut buffer = slot.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
+    buffer.resize(len, T::default());
+    buffer
+}
+
+/// Hand `buffer` back to `slot` for the next chunk (unless it holds more
+/// than 32 MiB).
+fn keep<T>(slot: &'static Reusable<T>, buffer: Vec<T>) {
+    if buffer.capacity() * std::mem::size_of::<T>() <= 32 << 20 {
+        slot.with(|cell| *cell.borrow_mut() = buffer);
+    }
 }
 
 /// `survey`, one change at a time, from change `from` on.
@@ -578,9 +568,7 @@ impl BucketGaps {
             total += k as usize;
             start.push(total);
         }
-        let mut gaps = ENCODE_SCRATCH.with(|cell| std::mem::take(&mut cell.borrow_mut().gaps));
-        gaps.resize(total, 0);
-        BucketGaps { gaps, start, span: vec![0; per_bucket.len()] }
+        BucketGaps { gaps: reused(&GAPS, total), start, span: vec![0; per_bucket.len()] }
     }
 
     /// Take the next change of its bucket, whose rank is `rank`; `at` is
@@ -757,7 +745,9 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
     }
     out.extend(signs.iter().flat_map(|word| word.to_le_bytes()).take(positions.len().div_ceil(8)));
     out.extend_from_slice(&rc.finish());
-    recycle_encode_buffers(contexts, magnitudes, bucket_gaps.gaps);
+    keep(&CONTEXTS, contexts);
+    keep(&MAGNITUDES, magnitudes);
+    keep(&GAPS, bucket_gaps.gaps);
     out
 }
 
@@ -989,30 +979,10 @@ fn expand_reference<T: Word>(old: &[u8], model: &ContextModel, buckets: &Buckets
     positions
 }
 
-thread_local! {
-    /// A decoded chunk's value words, handed back by the caller once it has
-    /// taken what it needs (`recycle_values`): a fresh buffer of a large
-    /// chunk's size would be zeroed and its pages faulted in anew for each.
-    static VALUES: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// `m` value words for the decoder to overwrite, every one of them
-/// (their contents before are whatever a previous chunk left).
-fn values_buffer(m: usize) -> Vec<u64> {
-    let mut values = VALUES.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
-    if values.len() < m {
-        values.resize(m, 0);
-    }
-    values.truncate(m);
-    values
-}
-
-/// Hand a decoded chunk's value words back for the next chunk this thread
-/// decodes (at most 32 MiB are kept).
+/// Hand a decoded chunk's value words back, once the caller has taken
+/// what it needs, for the next chunk this thread decodes.
 pub(super) fn recycle_values(values: Vec<u64>) {
-    if values.capacity() <= 4 << 20 {
-        VALUES.with(|cell| *cell.borrow_mut() = values);
-    }
+    keep(&VALUES, values);
 }
 
 /// The value of a change of `old` by magnitude `v + 1` and sign into
@@ -1071,7 +1041,8 @@ fn decode_words<T: Word>(
     let w = T::BYTES;
     let signs = parsed.signs;
     let local = *model;
-    let mut values = values_buffer(m);
+    // Every one overwritten below (or the payload refused).
+    let mut values = reused(&VALUES, m);
     // Refused after the loop: a change that does not change its element.
     let mut unchanged = false;
     if let Some(sections) = &parsed.tables {

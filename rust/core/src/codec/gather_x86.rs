@@ -84,7 +84,10 @@ unsafe fn largest(positions: &[u32]) -> u32 {
     _mm512_reduce_max_epu32(acc)
 }
 
-/// How many changes ahead the apply prefetches the words it will load.
+/// How many changes ahead the apply kernel prefetches the words it will
+/// load (64 before the twenty-second session: 160 measured 1.5-3 % faster
+/// with the target in the caches, the same cold; the scalar loops in
+/// `codec` keep their own distance).
 const PREFETCH_AHEAD: usize = 160;
 
 /// The inclusive prefix sum of the sixteen 32-bit lanes of `v` (four

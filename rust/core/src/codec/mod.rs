@@ -846,7 +846,8 @@ fn decode(payload: &[u8], n: usize, width: usize, encoding: Encoding, n_changed:
 #[cfg(feature = "ab-switch")]
 pub static AB_SWITCH: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// How many changes ahead the apply loop prefetches its target words.
+/// How many changes ahead the scalar apply loops prefetch their target
+/// words (the vector kernel's is `gather_x86`'s own).
 const PREFETCH_AHEAD: usize = 64;
 
 #[inline(always)]

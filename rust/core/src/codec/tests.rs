@@ -593,9 +593,9 @@ fn vector_and_portable_gap_decoding_agree() {
     }
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
-        // Large starting offsets, every gap the largest without an escape.
-        // and whole gaps (escapes replaced) up to 2^32 in all; ends at, just
-        // past and well past the limit.
+        // Large starting offsets; whole gaps (escapes replaced) up to 2^32
+        // in all, the chunk ending at, just short of and well short of the
+        // block's end.
         let mut g = [254u32; GAP_BLOCK];
         for start in [0u64, 1, 70_000, (1 << 31) - 9000] {
             for (big, cut) in [(254, 0), (1 << 20, 0), ((1 << 31) + 7, 0), (1 << 20, 1), (1 << 20, 1000)] {
