@@ -3,9 +3,9 @@
 //! tensor digest moves there. Run by stripes that stay in L2, with an
 //! AVX-512 and an AVX2 kernel for the positions (runtime dispatch) and a
 //! portable one that the tests hold them to; the changed words are then
-//! gathered (`gather`). Where the CPU has AVX-512 VBMI2, one kernel does
-//! both in one pass (`scan_gather_avx512`) and the others scan only a
-//! stripe's last partial block.
+//! gathered (`gather`). Where the CPU has AVX-512 VBMI2 (or else AVX2), one
+//! kernel does both in one pass (`scan_gather_avx512`, `scan_gather_avx2`)
+//! and the others scan only a stripe's last partial block.
 
 use super::{check_width, ChangeKind, SparseChanges, Word};
 use crate::digest::{DigestMoves, DigestSum};
@@ -219,7 +219,7 @@ pub(super) mod scan_avx2 {
     /// Bit `k` set when word `k` of the 64 words at `pa`/`pb` differs.
     /// (No closures: they would not inherit the AVX2 target feature.)
     #[inline(always)]
-    unsafe fn block_mask(pa: *const u8, pb: *const u8, width: usize) -> u64 {
+    pub(super) unsafe fn block_mask(pa: *const u8, pb: *const u8, width: usize) -> u64 {
         macro_rules! eq {
             ($k:expr, $cmp:ident) => {
                 $cmp(_mm256_loadu_si256(pa.add(32 * $k).cast()), _mm256_loadu_si256(pb.add(32 * $k).cast()))
@@ -381,7 +381,7 @@ pub(super) mod scan_gather_avx512 {
     //! bytes (AVX-512 with VBMI2): each 64-word block's changed lanes are
     //! compressed out of the very registers that were compared, so no
     //! change is loaded a second time by a gather (`gather_x86::gather_block`,
-    //! which the other CPUs run): their offsets by one byte compress, their
+    //! which AVX-512 CPUs without VBMI2 run): their offsets by one byte compress, their
     //! old and new words (untracked: their value words only) to a stage
     //! that becomes value words and digest moves every `STAGE` changes,
     //! from contiguous loads. Measured on the scan micro-benchmark
@@ -390,6 +390,7 @@ pub(super) mod scan_gather_avx512 {
     use super::super::gather_x86::{lanes, store_widened};
     use crate::digest::avx512::{add_moves, moves_sum, zero_moves};
     use crate::digest::DigestSum;
+    use super::Planes;
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
     use std::sync::OnceLock;
@@ -604,9 +605,6 @@ pub(super) mod scan_gather_avx512 {
         }
     }
 
-    /// Byte planes: plane `j` holds byte `j` of each value word.
-    pub(in crate::codec) struct Planes<'a>(pub &'a mut [Vec<u8>]);
-
     impl StageSink for Planes<'_> {
         fn reserve(&mut self, n: usize) {
             for plane in self.0.iter_mut() {
@@ -618,6 +616,255 @@ pub(super) mod scan_gather_avx512 {
             for (j, plane) in self.0[..W].iter_mut().enumerate() {
                 let bytes = _mm512_cvtepi32_epi8(_mm512_srl_epi32(v, _mm_cvtsi32_si128(8 * j as i32)));
                 _mm_mask_storeu_epi8(plane.as_mut_ptr().add(plane.len() + i).cast(), m, bytes);
+            }
+        }
+        unsafe fn commit(&mut self, n: usize) {
+            for plane in self.0.iter_mut() {
+                plane.set_len(plane.len() + n);
+            }
+        }
+    }
+}
+
+/// Byte planes: plane `j` holds byte `j` of each value word (what the
+/// free mode's encoder codes), filled by the one-pass kernels.
+#[cfg(target_arch = "x86_64")]
+pub(super) struct Planes<'a>(pub &'a mut [Vec<u8>]);
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+pub(super) mod scan_gather_avx2 {
+    //! The change scan and the gather in one pass for CPUs with AVX2 but
+    //! not `scan_gather_avx512`'s AVX-512 VBMI2, for words of 1, 2 or 4
+    //! bytes: `scan_avx2`'s compare masks; the changed words' positions and
+    //! their old and new words (untracked: their value words only) are
+    //! staged as each block's set bits are visited, one scalar load per side
+    //! from the lines the compare just read (AVX2 has no compress), and the
+    //! stage becomes value words and digest moves eight at a time every
+    //! `STAGE` changes. Without it a stripe's changes were loaded a second
+    //! time by the gather, into whole words that were then split into
+    //! planes in a pass of their own. Measured on a Zen 3 host (`ab_timing`
+    //! with `STAGE=diff`, paired ratios one pass / two passes): the diff of
+    //! fp32m 10->15 0.81-0.84, 12->15 0.87-0.88, 10->11 0.87-0.90.
+    use super::Planes;
+    use crate::digest::avx2::{add_moves, moves_sum, zero_moves, MoveAcc};
+    use crate::digest::DigestSum;
+    use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
+    use std::sync::OnceLock;
+
+    /// Changes staged before they become value words (2 x 4 KiB of units).
+    const STAGE: usize = 1024;
+    /// Room for the stage plus one block's changes and a vector past them.
+    const STAGE_UNITS: usize = STAGE + 64 + 8;
+
+    /// Whether this CPU runs the kernel (AVX2 and POPCNT).
+    pub(in crate::codec) fn available() -> bool {
+        static AVAILABLE: OnceLock<bool> = OnceLock::new();
+        *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("popcnt"))
+    }
+
+    /// `scan_gather_avx512::scan_and_gather` with AVX2: scan the whole
+    /// 64-word blocks of `old` / `new` (one stripe of a chunk, whose first
+    /// word is the chunk's word `base`), append the positions (plus `base`)
+    /// of the words that differ and their value words (XOR masks, or the
+    /// new words when `overwrite`) and, when `TRACK`, return the digest move
+    /// from old to new there (`first` being the chunk's first element in
+    /// its tensor). Returns how many words it scanned (the caller scans the
+    /// rest).
+    ///
+    /// # Safety
+    /// The CPU has what `available` checks; `W` is 1, 2 or 4; every unit
+    /// index `first + base + k` for `k` below the stripe's word count is
+    /// below 2^32.
+    #[target_feature(enable = "avx2,popcnt")]
+    pub(in crate::codec) unsafe fn scan_and_gather<const W: usize, const TRACK: bool>(
+        old: &[u8],
+        new: &[u8],
+        base: u32,
+        overwrite: bool,
+        first: u32,
+        positions: &mut Vec<u32>,
+        values: &mut impl Sink8,
+    ) -> (usize, DigestSum) {
+        debug_assert_eq!(old.len(), new.len());
+        let n = old.len() / W;
+        let blocks = n / 64;
+        if blocks == 0 {
+            return (0, DigestSum::ZERO);
+        }
+        let (pa, pb) = (old.as_ptr(), new.as_ptr());
+        // Not zeroed (8.6 KiB per call): `flush` loads only stored units.
+        let mut stage_old = MaybeUninit::<[u32; STAGE_UNITS]>::uninit();
+        let mut stage_new = MaybeUninit::<[u32; STAGE_UNITS]>::uninit();
+        let (staged_old, staged_new) = (stage_old.as_mut_ptr().cast::<u32>(), stage_new.as_mut_ptr().cast::<u32>());
+        let mut staged = 0usize;
+        let mut len = positions.len();
+        let mut acc = zero_moves();
+        let vfirst = _mm256_set1_epi32(first as i32);
+        for blk in 0..blocks {
+            super::prefetch_ahead(pa, pb, blk * 64 * W, 64 * W);
+            let (a, b) = (pa.add(blk * 64 * W), pb.add(blk * 64 * W));
+            let mut m = super::scan_avx2::block_mask(a, b, W);
+            if m == 0 {
+                continue;
+            }
+            if positions.capacity() < len + 64 {
+                positions.reserve(64 + (n - blk * 64) / 16);
+            }
+            let cnt = m.count_ones() as usize;
+            let dst = positions.as_mut_ptr().add(len);
+            let (so, sn) = (staged_old.add(staged), staged_new.add(staged));
+            let at = base + (blk * 64) as u32;
+            // Branch-free for the first eight (most blocks hold fewer): past
+            // the last change the offset wraps to the block's first word,
+            // whose slots are written but not kept.
+            for j in 0..8 {
+                let t = (m.trailing_zeros() & 63) as usize;
+                *dst.add(j) = at + t as u32;
+                stage::<W, TRACK>(a, b, t, overwrite, so.add(j), sn.add(j));
+                m &= m.wrapping_sub(1);
+            }
+            for j in 8..cnt {
+                let t = m.trailing_zeros() as usize;
+                *dst.add(j) = at + t as u32;
+                stage::<W, TRACK>(a, b, t, overwrite, so.add(j), sn.add(j));
+                m &= m.wrapping_sub(1);
+            }
+            len += cnt;
+            positions.set_len(len);
+            staged += cnt;
+            if staged >= STAGE {
+                flush::<W, TRACK>(staged_old, staged_new, staged, &positions[len - staged..len], overwrite, vfirst, values, &mut acc);
+                staged = 0;
+            }
+        }
+        flush::<W, TRACK>(staged_old, staged_new, staged, &positions[len - staged..len], overwrite, vfirst, values, &mut acc);
+        (blocks * 64, moves_sum(&acc))
+    }
+
+    /// Stage word `t` of the block at `a` / `b`: its old and new units
+    /// (untracked: its value word only).
+    #[inline(always)]
+    unsafe fn stage<const W: usize, const TRACK: bool>(a: *const u8, b: *const u8, t: usize, overwrite: bool, so: *mut u32, sn: *mut u32) {
+        let load = |p: *const u8| -> u32 {
+            match W {
+                1 => u32::from(*p.add(t)),
+                2 => u32::from(p.add(2 * t).cast::<u16>().read_unaligned()),
+                _ => p.add(4 * t).cast::<u32>().read_unaligned(),
+            }
+        };
+        let (x, y) = (load(a), load(b));
+        if TRACK {
+            *so = x;
+            *sn = y;
+        } else {
+            *so = if overwrite { y } else { x ^ y };
+        }
+    }
+
+    /// The value words of `n` staged changes appended to `values`, their
+    /// digest moves added to `acc`.
+    ///
+    /// # Safety
+    /// The first `n` units at `staged_old` (and, when `TRACK`, at
+    /// `staged_new`) were stored, with room for eight more; the CPU has
+    /// AVX2.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn flush<const W: usize, const TRACK: bool>(
+        staged_old: *mut u32,
+        staged_new: *mut u32,
+        n: usize,
+        positions: &[u32],
+        overwrite: bool,
+        vfirst: __m256i,
+        values: &mut impl Sink8,
+        acc: &mut MoveAcc,
+    ) {
+        debug_assert_eq!(positions.len(), n);
+        // The last group's missing lanes: equal old and new units, so their
+        // digest moves are zero whatever their index.
+        let whole = n / 8 * 8;
+        for k in n..whole + 8 {
+            *staged_old.add(k) = 0;
+            *staged_new.add(k) = 0;
+        }
+        let mut tail = [0u32; 8];
+        tail[..n - whole].copy_from_slice(&positions[whole..]);
+        values.reserve(whole + 8);
+        let mut i = 0;
+        while i < n {
+            let vo = _mm256_loadu_si256(staged_old.add(i).cast());
+            if !TRACK {
+                // Untracked, the stage holds the value words themselves.
+                values.store8::<W>(i, vo);
+                i += 8;
+                continue;
+            }
+            let vn = _mm256_loadu_si256(staged_new.add(i).cast());
+            let v = if overwrite { vn } else { _mm256_xor_si256(vo, vn) };
+            values.store8::<W>(i, v);
+            let at = if i < whole { positions.as_ptr().add(i) } else { tail.as_ptr() };
+            let vp = _mm256_loadu_si256(at.cast());
+            add_moves(acc, _mm256_add_epi32(vfirst, vp), vo, vn);
+            i += 8;
+        }
+        values.commit(n);
+    }
+
+    /// Where the kernel's value words go: whole words (`Vec<u64>`) or byte
+    /// planes (`Planes`).
+    pub(in crate::codec) trait Sink8 {
+        /// Room for `n` more values.
+        fn reserve(&mut self, n: usize);
+        /// Values `i..i + 8` past the end, from the words of `W` bytes in
+        /// the u32 lanes of `v`.
+        ///
+        /// # Safety
+        /// `reserve` made room for them; the CPU has AVX2.
+        unsafe fn store8<const W: usize>(&mut self, i: usize, v: __m256i);
+        /// The `n` values stored since `reserve` become part of the output.
+        ///
+        /// # Safety
+        /// All `n` were stored.
+        unsafe fn commit(&mut self, n: usize);
+    }
+
+    impl Sink8 for Vec<u64> {
+        fn reserve(&mut self, n: usize) {
+            Vec::reserve(self, n);
+        }
+        #[inline(always)]
+        unsafe fn store8<const W: usize>(&mut self, i: usize, v: __m256i) {
+            let p = self.as_mut_ptr().add(self.len() + i);
+            _mm256_storeu_si256(p.cast(), _mm256_cvtepu32_epi64(_mm256_castsi256_si128(v)));
+            _mm256_storeu_si256(p.add(4).cast(), _mm256_cvtepu32_epi64(_mm256_extracti128_si256::<1>(v)));
+        }
+        unsafe fn commit(&mut self, n: usize) {
+            self.set_len(self.len() + n);
+        }
+    }
+
+    impl Sink8 for Planes<'_> {
+        fn reserve(&mut self, n: usize) {
+            for plane in self.0.iter_mut() {
+                plane.reserve(n);
+            }
+        }
+        #[inline(always)]
+        unsafe fn store8<const W: usize>(&mut self, i: usize, v: __m256i) {
+            // Byte `j` of each lane to the front of its 128-bit half, the
+            // two halves' four bytes side by side, eight bytes stored.
+            let join = _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0);
+            for (j, plane) in self.0[..W].iter_mut().enumerate() {
+                let j = j as i8;
+                let pick = _mm256_setr_epi8(
+                    j, 4 + j, 8 + j, 12 + j, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                    j, 4 + j, 8 + j, 12 + j, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                );
+                let bytes = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(v, pick), join);
+                _mm_storel_epi64(plane.as_mut_ptr().add(plane.len() + i).cast(), _mm256_castsi256_si128(bytes));
             }
         }
         unsafe fn commit(&mut self, n: usize) {
@@ -678,13 +925,16 @@ fn scan_positions(old: &[u8], new: &[u8], width: usize, base: u32, positions: &m
     }
 }
 
-/// Whether `scan_gather_avx512` runs on a chunk of `n` words of `width`
-/// bytes (unit indices from `tracked_from`, or 0): words of 1, 2 or 4
-/// bytes, unit indices below 2^32, a CPU with what it needs.
+/// Whether a one-pass kernel (`scan_gather_avx512`, else
+/// `scan_gather_avx2`) runs on a chunk of `n` words of `width` bytes (unit
+/// indices from `tracked_from`, or 0): words of 1, 2 or 4 bytes, unit
+/// indices below 2^32, a CPU with what one of them needs.
 fn one_pass_runs(width: usize, tracked_from: Option<u64>, n: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        width <= 4 && tracked_from.unwrap_or(0) + n as u64 <= 1 << 32 && scan_gather_avx512::available()
+        width <= 4
+            && tracked_from.unwrap_or(0) + n as u64 <= 1 << 32
+            && (scan_gather_avx512::available() || scan_gather_avx2::available())
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -693,10 +943,10 @@ fn one_pass_runs(width: usize, tracked_from: Option<u64>, n: usize) -> bool {
     }
 }
 
-/// Run `scan_gather_avx512` on one stripe where the CPU and the words
-/// allow (words of 1, 2 or 4 bytes; unit indices below 2^32 in a chunk of
-/// `n` words): returns how many of the stripe's words it scanned (0 where
-/// it did not run).
+/// Run a one-pass kernel on one stripe where the CPU and the words allow
+/// (words of 1, 2 or 4 bytes; unit indices below 2^32 in a chunk of `n`
+/// words): returns how many of the stripe's words it scanned (0 where
+/// none ran).
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 fn scan_and_gather(
@@ -708,28 +958,36 @@ fn scan_and_gather(
     tracked_from: Option<u64>,
     n: usize,
     positions: &mut Vec<u32>,
-    values: &mut impl scan_gather_avx512::StageSink,
+    values: &mut (impl scan_gather_avx512::StageSink + scan_gather_avx2::Sink8),
     moves: &mut DigestMoves,
 ) -> usize {
-    use scan_gather_avx512::scan_and_gather as kernel;
     if !one_pass_runs(width, tracked_from, n) {
         return 0;
     }
     let first = tracked_from.unwrap_or(0);
     let overwrite = kind == ChangeKind::Overwrite;
     let f = first as u32;
-    // Safety: the CPU has what the kernel needs (`available`), the width is
-    // 1, 2 or 4 and every unit index `first + position` is below 2^32
-    // (checked just above).
+    macro_rules! dispatch {
+        ($kernel:ident) => {
+            match (width, tracked_from.is_some()) {
+                (1, true) => $kernel::scan_and_gather::<1, true>(old, new, base, overwrite, f, positions, values),
+                (2, true) => $kernel::scan_and_gather::<2, true>(old, new, base, overwrite, f, positions, values),
+                (_, true) => $kernel::scan_and_gather::<4, true>(old, new, base, overwrite, f, positions, values),
+                (1, false) => $kernel::scan_and_gather::<1, false>(old, new, base, overwrite, f, positions, values),
+                (2, false) => $kernel::scan_and_gather::<2, false>(old, new, base, overwrite, f, positions, values),
+                (_, false) => $kernel::scan_and_gather::<4, false>(old, new, base, overwrite, f, positions, values),
+            }
+        };
+    }
+    // Safety: the CPU has what the kernel needs (`available`: one of the
+    // two, checked by `one_pass_runs`), the width is 1, 2 or 4 and every
+    // unit index `first + position` is below 2^32 (checked just above).
     #[allow(unsafe_code)]
     let (scanned, moved) = unsafe {
-        match (width, tracked_from.is_some()) {
-            (1, true) => kernel::<1, true>(old, new, base, overwrite, f, positions, values),
-            (2, true) => kernel::<2, true>(old, new, base, overwrite, f, positions, values),
-            (_, true) => kernel::<4, true>(old, new, base, overwrite, f, positions, values),
-            (1, false) => kernel::<1, false>(old, new, base, overwrite, f, positions, values),
-            (2, false) => kernel::<2, false>(old, new, base, overwrite, f, positions, values),
-            (_, false) => kernel::<4, false>(old, new, base, overwrite, f, positions, values),
+        if scan_gather_avx512::available() {
+            dispatch!(scan_gather_avx512)
+        } else {
+            dispatch!(scan_gather_avx2)
         }
     };
     moves.add(moved);
@@ -814,7 +1072,7 @@ impl FoundValues for SplitValues {
     #[allow(unused_variables)]
     fn scan_and_gather(&mut self, old: &[u8], new: &[u8], width: usize, base: u32, kind: ChangeKind, tracked_from: Option<u64>, n: usize, positions: &mut Vec<u32>, moves: &mut DigestMoves) -> usize {
         #[cfg(target_arch = "x86_64")]
-        return scan_and_gather(old, new, width, base, kind, tracked_from, n, positions, &mut scan_gather_avx512::Planes(&mut self.0), moves);
+        return scan_and_gather(old, new, width, base, kind, tracked_from, n, positions, &mut Planes(&mut self.0), moves);
         #[cfg(not(target_arch = "x86_64"))]
         0
     }

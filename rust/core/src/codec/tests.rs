@@ -527,6 +527,108 @@ fn vectorised_and_portable_scans_agree() {
     }
 }
 
+/// Each one-pass scan-and-gather kernel this CPU runs (AVX-512 VBMI2,
+/// AVX2), called directly (the search runs only the widest): over the
+/// stripe's whole blocks, the positions, the value words (whole and as
+/// byte planes) and the digest move of a word-by-word compare, for words of
+/// 1, 2 and 4 bytes, both kinds, tracked and not, densities that leave
+/// blocks empty, partly and wholly changed, and enough changes for several
+/// stage flushes with a partial last group.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn one_pass_kernels_match_a_word_by_word_compare() {
+    use super::scan::{scan_gather_avx2, scan_gather_avx512, Planes};
+    let mut kernels: Vec<&str> = Vec::new();
+    if scan_gather_avx2::available() {
+        kernels.push("avx2");
+    }
+    if scan_gather_avx512::available() {
+        kernels.push("avx512");
+    }
+    assert!(!kernels.is_empty() || !std::arch::is_x86_feature_detected!("avx2"), "an AVX2 CPU runs the AVX2 kernel");
+    let mut next = xorshift(0x51ED_270B_2736_89A7);
+    for width in [1usize, 2, 4] {
+        for per_mille in [0u64, 5, 300, 1000] {
+            let n = 64 * 97 + 21;
+            let old: Vec<u8> = (0..n * width).map(|_| next() as u8).collect();
+            let mut new = old.clone();
+            for i in 0..n {
+                if next() % 1000 < per_mille {
+                    new[i * width + (next() as usize % width)] ^= 1 << (next() % 8);
+                }
+            }
+            let scanned = n / 64 * 64;
+            let base = 7u32;
+            for kind in [ChangeKind::Xor, ChangeKind::Overwrite] {
+                let mut expected = SparseChanges::default();
+                for (i, (a, b)) in old.chunks_exact(width).zip(new.chunks_exact(width)).take(scanned).enumerate() {
+                    if a != b {
+                        expected.positions.push(base + i as u32);
+                        expected.values.push(if kind == ChangeKind::Xor { read_word(a) ^ read_word(b) } else { read_word(b) });
+                    }
+                }
+                for first in [None, Some(1000u64), Some((1 << 32) - n as u64 - 8)] {
+                    let want_move = first.map_or(crate::digest::DigestSum::ZERO, |f| {
+                        let at = f + u64::from(base);
+                        crate::digest::partial_digest(&new[..scanned * width], width, at)
+                            .minus(crate::digest::partial_digest(&old[..scanned * width], width, at))
+                    });
+                    for &kernel in &kernels {
+                        let what = format!("{kernel}, width {width}, {per_mille}/1000, {kind:?}, first {first:?}");
+                        let overwrite = kind == ChangeKind::Overwrite;
+                        let f = first.unwrap_or(0) as u32;
+                        let mut positions = vec![1u32, 2];
+                        let mut words = vec![9u64, 9];
+                        let mut planes = vec![vec![5u8]; width];
+                        let mut plane_positions = Vec::new();
+                        macro_rules! run {
+                            ($k:ident, $w:literal) => {{
+                                // Safety: the CPU has what the kernel needs
+                                // (`available`), the width is 1, 2 or 4 and the
+                                // unit indices stay below 2^32.
+                                #[allow(unsafe_code)]
+                                unsafe {
+                                    let r = if first.is_some() {
+                                        $k::scan_and_gather::<$w, true>(&old, &new, base, overwrite, f, &mut positions, &mut words)
+                                    } else {
+                                        $k::scan_and_gather::<$w, false>(&old, &new, base, overwrite, f, &mut positions, &mut words)
+                                    };
+                                    let p = if first.is_some() {
+                                        $k::scan_and_gather::<$w, true>(&old, &new, base, overwrite, f, &mut plane_positions, &mut Planes(&mut planes))
+                                    } else {
+                                        $k::scan_and_gather::<$w, false>(&old, &new, base, overwrite, f, &mut plane_positions, &mut Planes(&mut planes))
+                                    };
+                                    (r, p)
+                                }
+                            }};
+                        }
+                        let ((count, moved), (plane_count, plane_moved)) = match (kernel, width) {
+                            ("avx2", 1) => run!(scan_gather_avx2, 1),
+                            ("avx2", 2) => run!(scan_gather_avx2, 2),
+                            ("avx2", _) => run!(scan_gather_avx2, 4),
+                            (_, 1) => run!(scan_gather_avx512, 1),
+                            (_, 2) => run!(scan_gather_avx512, 2),
+                            (_, _) => run!(scan_gather_avx512, 4),
+                        };
+                        assert_eq!((count, plane_count), (scanned, scanned), "{what}: words scanned");
+                        // What was in the outputs before stays in front.
+                        assert_eq!(&positions[..2], &[1, 2], "{what}");
+                        assert_eq!(&words[..2], &[9, 9], "{what}");
+                        assert_eq!(&positions[2..], &expected.positions[..], "{what}: positions");
+                        assert_eq!(&words[2..], &expected.values[..], "{what}: value words");
+                        assert_eq!(plane_positions, expected.positions, "{what}: positions (planes)");
+                        for (j, plane) in planes.iter().enumerate() {
+                            let want: Vec<u8> = std::iter::once(5).chain(expected.values.iter().map(|&v| (v >> (8 * j)) as u8)).collect();
+                            assert_eq!(plane, &want, "{what}: plane {j}");
+                        }
+                        assert_eq!((moved, plane_moved), (want_move, want_move), "{what}: digest move");
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Gap streams (with escapes, out-of-range ends) decoded by the vector
 /// prefix sum and by the portable one: the same positions or the same error.
 #[test]
