@@ -303,6 +303,12 @@ fn select_ones(unary: &[u64], from: u64, end: u64, slots: &mut [MaybeUninit<u32>
         #[allow(unsafe_code)]
         return unsafe { avx512::select_ones(unary, from, end, slots) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if avx2::available() {
+        // Safety: the CPU has AVX2 and POPCNT (`avx2_available`).
+        #[allow(unsafe_code)]
+        return unsafe { avx2::select_ones(unary, from, end, slots) };
+    }
     select_ones_with(unary, from, end, slots, emit_ones)
 }
 
@@ -425,12 +431,70 @@ fn add_low_parts_wide(lows: &[u8], at: u64, k: u32, limit: u64, slots: &mut [u32
     Ok(())
 }
 
-/// The reader's low-part kernel for x86 CPUs without AVX-512 (AVX2 only,
-/// no gather: eight parts are taken out of their bytes by one shuffle).
+/// The reader's kernels for x86 CPUs without AVX-512 (AVX2 only, no
+/// gather): the unary parts' ones selected a byte at a time, and eight low
+/// parts taken out of their bytes by one shuffle.
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod avx2 {
     use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
+
+    /// For each byte value, each of its ones' bit number less the ones
+    /// below it (the zeros before it in the byte), in ascending order.
+    static ZEROS_BEFORE_ONES: [[u8; 8]; 256] = {
+        let mut table = [[0u8; 8]; 256];
+        let mut byte = 0;
+        while byte < 256 {
+            let (mut bit, mut ones) = (0, 0);
+            while bit < 8 {
+                if byte >> bit & 1 == 1 {
+                    table[byte][ones] = (bit - ones) as u8;
+                    ones += 1;
+                }
+                bit += 1;
+            }
+            byte += 1;
+        }
+        table
+    };
+
+    /// Whether this CPU runs `select_ones` (AVX2 and POPCNT).
+    pub(super) fn available() -> bool {
+        super::super::avx2_available() && is_x86_feature_detected!("popcnt")
+    }
+
+    /// `super::select_ones_with` where the ones of a word become slots a
+    /// byte at a time, without a branch per one: the byte's entry of
+    /// `ZEROS_BEFORE_ONES`, widened to eight lanes, plus the zeros before
+    /// the byte, stored where the byte's first one goes (the next byte's
+    /// store overwrites the lanes past its ones), to a buffer whose leading
+    /// slots are then copied out. Measured on a Zen 3 host (`ab_timing`,
+    /// paired, against the loop over the ones): the free apply of fp32m
+    /// 10->15, 12->15 and 10->11 0.90-0.91, bf16 10->11 0.92; the context
+    /// apply of 10->15 (whose buckets are Rice lists too) 0.98.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and POPCNT.
+    #[target_feature(enable = "avx2,popcnt")]
+    pub(super) unsafe fn select_ones(unary: &[u64], from: u64, end: u64, slots: &mut [MaybeUninit<u32>]) -> bool {
+        super::select_ones_with(unary, from, end, slots, |slots, word, zeros_at| {
+            let n = slots.len();
+            let mut buffer = MaybeUninit::<[u32; 64 + 8]>::uninit();
+            let out = buffer.as_mut_ptr().cast::<u32>();
+            let mut ones = 0u32;
+            for q in 0..8u32 {
+                let byte = (word >> (8 * q)) as u8;
+                let within = _mm_loadl_epi64(ZEROS_BEFORE_ONES[usize::from(byte)].as_ptr().cast());
+                let before = _mm256_set1_epi32(zeros_at.wrapping_add(8 * q).wrapping_sub(ones) as i32);
+                _mm256_storeu_si256(out.add(ones as usize).cast(), _mm256_add_epi32(_mm256_cvtepu8_epi32(within), before));
+                ones += byte.count_ones();
+            }
+            debug_assert_eq!(ones as usize, n);
+            // Safety: the first `n` (all the word's ones) were stored.
+            std::ptr::copy_nonoverlapping(out.cast_const(), slots.as_mut_ptr().cast::<u32>(), n);
+        })
+    }
 
     /// The largest parameter the kernel reads: a part and its bit offset
     /// within a byte fit the three bytes each lane takes.
@@ -977,6 +1041,23 @@ mod tests {
                 let found = select_ones_with(&unary, from, end, &mut scalar, emit_ones);
                 let mut fast = vec![MaybeUninit::new(0u32); count];
                 assert_eq!(select_ones(&unary, from, end, &mut fast), found);
+                #[cfg(target_arch = "x86_64")]
+                if avx2::available() {
+                    // The AVX2 kernel, which AVX-512 CPUs do not dispatch to.
+                    let mut by_bytes = vec![MaybeUninit::new(0u32); count];
+                    // Safety: the CPU has AVX2 and POPCNT (just checked).
+                    #[allow(unsafe_code)]
+                    let ok = unsafe { avx2::select_ones(&unary, from, end, &mut by_bytes) };
+                    assert_eq!(ok, found);
+                    if found {
+                        // Safety: `select_ones` wrote every slot (it found them all).
+                        #[allow(unsafe_code)]
+                        let (a, b): (Vec<u32>, Vec<u32>) = unsafe {
+                            (by_bytes.iter().map(|s| s.assume_init()).collect(), scalar.iter().map(|s| s.assume_init()).collect())
+                        };
+                        assert_eq!(a, b, "AVX2: from {from} end {end} count {count}");
+                    }
+                }
                 // Safety: initialized above (the kernels write only u32s).
                 #[allow(unsafe_code)]
                 let (scalar, fast): (Vec<u32>, Vec<u32>) = unsafe { (scalar.iter().map(|s| s.assume_init()).collect(), fast.iter().map(|s| s.assume_init()).collect()) };
