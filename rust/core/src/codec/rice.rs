@@ -115,6 +115,17 @@ impl RiceWriter {
             return;
         }
         self.lows.put_each(gaps, k);
+        #[cfg(target_arch = "x86_64")]
+        if super::avx2_available() {
+            // Safety: the CPU has AVX2 (just checked); `unary` holds the
+            // list's bits, and a word more.
+            #[allow(unsafe_code)]
+            unsafe {
+                avx2::put_unary(&mut self.unary, self.unary_bits, gaps, k)
+            };
+            self.unary_bits = end;
+            return;
+        }
         put_unary(&mut self.unary, self.unary_bits, gaps, k);
         self.unary_bits = end;
     }
@@ -499,6 +510,72 @@ mod avx2 {
     /// The largest parameter the kernel reads: a part and its bit offset
     /// within a byte fit the three bytes each lane takes.
     pub(super) const MAX_K: u32 = 16;
+
+    /// `super::put_unary`, eight gaps at a time (the AVX2 twin of
+    /// `avx512::put_unary`): the ones' offsets from a prefix sum of the
+    /// codes' lengths and, where the eight ones lie within two words
+    /// (unless a gap is long), those two words' bits OR-ed together from
+    /// one shifted bit per lane. Measured on a Zen 3 host (`ab_timing` with
+    /// `STAGE=diff`, paired, two runs, against the loop per gap): the free
+    /// diff of fp32m 10->15 0.95-0.98, 12->15 0.92-0.94, 10->11 0.98-0.99,
+    /// bf16 10->11 0.97.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `unary` holds the bits up to the list's end and a
+    /// word more.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn put_unary(unary: &mut [u64], mut at: u64, gaps: &[u32], k: u32) {
+        let shift = _mm_cvtsi32_si128(k as i32);
+        let one32 = _mm256_set1_epi32(1);
+        let one64 = _mm256_set1_epi64x(1);
+        let sixty_four = _mm256_set1_epi64x(64);
+        let short = _mm256_set1_epi32(1 << 16);
+        let zero = _mm256_setzero_si256();
+        let (lane3, lane7) = (_mm256_set1_epi32(3), _mm256_set1_epi32(7));
+        let blocks = gaps.chunks_exact(8);
+        let rest = blocks.remainder();
+        for block in blocks {
+            let q = _mm256_srl_epi32(_mm256_loadu_si256(block.as_ptr().cast()), shift);
+            // Short unary parts only (`q <= 2^16`, unsigned): the eight
+            // codes' bits then add up in a lane without wrapping.
+            if _mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_max_epu32(q, short), short)) != -1 {
+                at = super::put_unary_block(unary, at, block, k);
+                continue;
+            }
+            // Prefix sum of the codes' lengths: within each half, then the
+            // low half's total into the high half.
+            let mut e = _mm256_add_epi32(q, one32);
+            e = _mm256_add_epi32(e, _mm256_slli_si256::<4>(e));
+            e = _mm256_add_epi32(e, _mm256_slli_si256::<8>(e));
+            e = _mm256_add_epi32(e, _mm256_blend_epi32::<0xF0>(zero, _mm256_permutevar8x32_epi32(e, lane3)));
+            let total = _mm256_cvtsi256_si32(_mm256_permutevar8x32_epi32(e, lane7)) as u32;
+            if u64::from(total) + at % 64 > 128 {
+                at = super::put_unary_block(unary, at, block, k);
+                continue;
+            }
+            let word_at = (at / 64) as usize;
+            // The ones' offsets from that word's first bit.
+            let r = _mm256_add_epi32(e, _mm256_set1_epi32((at % 64) as i32 - 1));
+            let (r0, r1) = (_mm256_cvtepu32_epi64(_mm256_castsi256_si128(r)), _mm256_cvtepu32_epi64(_mm256_extracti128_si256::<1>(r)));
+            // A shift by 64 or more (or a wrapped negative) gives 0.
+            let low = _mm256_or_si256(_mm256_sllv_epi64(one64, r0), _mm256_sllv_epi64(one64, r1));
+            let high = _mm256_or_si256(
+                _mm256_sllv_epi64(one64, _mm256_sub_epi64(r0, sixty_four)),
+                _mm256_sllv_epi64(one64, _mm256_sub_epi64(r1, sixty_four)),
+            );
+            unary[word_at] |= or_lanes(low);
+            unary[word_at + 1] |= or_lanes(high);
+            at += u64::from(total);
+        }
+        super::put_unary_block(unary, at, rest, k);
+    }
+
+    /// The OR of the four 64-bit lanes of `v`.
+    #[inline(always)]
+    unsafe fn or_lanes(v: __m256i) -> u64 {
+        let x = _mm_or_si128(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        (_mm_cvtsi128_si64(x) | _mm_extract_epi64::<1>(x)) as u64
+    }
 
     /// `add_low_parts_scalar` on the leading slots, eight at a time, as far
     /// as each block's 16-byte loads stay inside `lows`. Returns how many
@@ -1000,6 +1077,18 @@ mod tests {
             let unary_bits = bits - gaps.len() as u64 * u64::from(k);
             let mut unary = vec![0u64; unary_bits.div_ceil(64) as usize];
             put_unary(&mut unary, 0, gaps, k);
+            #[cfg(target_arch = "x86_64")]
+            if super::super::avx2_available() {
+                // The AVX2 kernel, which AVX-512 CPUs do not dispatch to.
+                let mut by_eight = vec![0u64; unary.len() + 1];
+                // Safety: the CPU has AVX2 (just checked); a word more.
+                #[allow(unsafe_code)]
+                unsafe {
+                    avx2::put_unary(&mut by_eight, 0, gaps, k)
+                };
+                assert_eq!(by_eight[..unary.len()], unary[..], "AVX2: k {k}, {what}");
+                assert_eq!(by_eight[unary.len()], 0, "AVX2: k {k}, {what}: past the end");
+            }
             let mut portable = lows.finish();
             portable.extend(unary.iter().flat_map(|w| w.to_le_bytes()).take(unary_bits.div_ceil(8) as usize));
             assert_eq!(fast, portable, "k {k}, {what}");
@@ -1023,6 +1112,10 @@ mod tests {
             let mut gaps: Vec<u32> = [7u32; 16].iter().chain(&[4; 16]).map(|&q| q << k).collect();
             gaps.extend((0..600).map(|_| (((next() % 8) << k) | (next() % (1 << k))) as u32));
             agree(&gaps, k, "long unary parts");
+            // The same for blocks of eight: unary parts of up to 16 bits.
+            let mut gaps: Vec<u32> = [15u32; 8].iter().chain(&[9; 8]).map(|&q| q << k).collect();
+            gaps.extend((0..600).map(|_| (((next() % 16) << k) | (next() % (1 << k))) as u32));
+            agree(&gaps, k, "long unary parts, blocks of eight");
         }
     }
 
