@@ -604,10 +604,16 @@ unsafe fn expand_avx2<T: Word, const U: usize>(old: &[u8], walk: &Walk, listed: 
 /// The bucket ids of the block of (up to) 64 words of `old` from word
 /// `start`, the block's length and the mask of its valid elements: a
 /// partial last block is padded with zero words, masked out by `valid`.
+/// Inlined into its callers, which are compiled for AVX2 (a function
+/// compiled for a target feature may not be `inline(always)`, and out of
+/// line it returned its two vectors through memory per block: inlined, the
+/// context apply 0.96-0.98 of the time, paired, on a Zen 3 host).
+///
+/// # Safety
+/// The CPU has AVX2.
 #[allow(unsafe_code)]
-#[inline]
-#[target_feature(enable = "avx2")]
-fn block_buckets<T: Word>(old: &[u8], start: usize, walk: &Walk) -> (__m256i, __m256i, usize, u64) {
+#[inline(always)]
+unsafe fn block_buckets<T: Word>(old: &[u8], start: usize, walk: &Walk) -> (__m256i, __m256i, usize, u64) {
     const B: usize = 64;
     let w = T::BYTES;
     let len = B.min(old.len() / w - start);
