@@ -316,7 +316,7 @@ fn select_ones(unary: &[u64], from: u64, end: u64, slots: &mut [MaybeUninit<u32>
     }
     #[cfg(target_arch = "x86_64")]
     if avx2::available() {
-        // Safety: the CPU has AVX2 and POPCNT (`avx2_available`).
+        // Safety: the CPU has AVX2 and POPCNT (`avx2::available`).
         #[allow(unsafe_code)]
         return unsafe { avx2::select_ones(unary, from, end, slots) };
     }
@@ -1134,26 +1134,25 @@ mod tests {
                 let found = select_ones_with(&unary, from, end, &mut scalar, emit_ones);
                 let mut fast = vec![MaybeUninit::new(0u32); count];
                 assert_eq!(select_ones(&unary, from, end, &mut fast), found);
+                // The AVX2 kernel, which AVX-512 CPUs do not dispatch to.
                 #[cfg(target_arch = "x86_64")]
-                if avx2::available() {
-                    // The AVX2 kernel, which AVX-512 CPUs do not dispatch to.
-                    let mut by_bytes = vec![MaybeUninit::new(0u32); count];
+                let by_bytes = avx2::available().then(|| {
+                    let mut slots = vec![MaybeUninit::new(0u32); count];
                     // Safety: the CPU has AVX2 and POPCNT (just checked).
                     #[allow(unsafe_code)]
-                    let ok = unsafe { avx2::select_ones(&unary, from, end, &mut by_bytes) };
-                    assert_eq!(ok, found);
-                    if found {
-                        // Safety: `select_ones` wrote every slot (it found them all).
-                        #[allow(unsafe_code)]
-                        let (a, b): (Vec<u32>, Vec<u32>) = unsafe {
-                            (by_bytes.iter().map(|s| s.assume_init()).collect(), scalar.iter().map(|s| s.assume_init()).collect())
-                        };
-                        assert_eq!(a, b, "AVX2: from {from} end {end} count {count}");
-                    }
-                }
+                    let ok = unsafe { avx2::select_ones(&unary, from, end, &mut slots) };
+                    assert_eq!(ok, found, "AVX2: from {from} end {end} count {count}");
+                    slots
+                });
+                #[cfg(not(target_arch = "x86_64"))]
+                let by_bytes: Option<Vec<MaybeUninit<u32>>> = None;
                 // Safety: initialized above (the kernels write only u32s).
                 #[allow(unsafe_code)]
-                let (scalar, fast): (Vec<u32>, Vec<u32>) = unsafe { (scalar.iter().map(|s| s.assume_init()).collect(), fast.iter().map(|s| s.assume_init()).collect()) };
+                let init = |slots: &[MaybeUninit<u32>]| -> Vec<u32> { slots.iter().map(|s| unsafe { s.assume_init() }).collect() };
+                let (scalar, fast) = (init(&scalar), init(&fast));
+                if let (true, Some(by_bytes)) = (found, &by_bytes) {
+                    assert_eq!(init(by_bytes), scalar, "AVX2: from {from} end {end} count {count}");
+                }
                 if found {
                     assert_eq!(fast, scalar, "from {from} end {end} count {count}");
                     // Each slot is the zeros before its one since `from`.
