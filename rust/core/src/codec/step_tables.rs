@@ -1188,6 +1188,14 @@ pub(super) mod avx2 {
             }
             for (k, out) in values[b * BLOCK..][..block.len()].chunks_exact_mut(8).enumerate() {
                 let h = b * (BLOCK / 8) + k;
+                // The next block's words, asked for while this block's
+                // chain runs (the expansion read the chunk long before, so
+                // they are no longer near: 0.92-0.96 of the context apply's
+                // time at one optimizer step, 0.93-0.99 at several, paired,
+                // on a Zen 3).
+                for &p in positions.get((b + 1) * BLOCK + 8 * k..).unwrap_or_default().iter().take(8) {
+                    _mm_prefetch::<_MM_HINT_T0>(old.as_ptr().wrapping_add(p as usize * W as usize).cast());
+                }
                 let x = states[h % 2];
                 let vo = _mm256_loadu_si256(olds.as_ptr().add(8 * k).cast());
                 let table = _mm256_loadu_si256(tables.as_ptr().add(8 * k).cast());

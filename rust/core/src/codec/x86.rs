@@ -967,6 +967,12 @@ pub(super) unsafe fn survey_steps<const W: i32>(
     let context_mask = _mm256_set1_epi32(model.mask as i32);
     let ones = _mm256_set1_epi32(1);
     for (g, group) in positions.chunks_exact(16).enumerate() {
+        // The words eight groups ahead: the scan read the chunk before,
+        // and its words at the changes are no longer near (0.96-0.99 of
+        // the context diff's time, paired, on a Zen 3).
+        for &p in positions.get(16 * g + 128..).unwrap_or_default().iter().take(16) {
+            _mm_prefetch::<_MM_HINT_T0>(old.as_ptr().wrapping_add(p as usize * W as usize).cast());
+        }
         let mut negative = 0u16;
         for half in 0..2 {
             let i = 16 * g + 8 * half;
