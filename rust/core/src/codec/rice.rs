@@ -32,6 +32,21 @@ fn rice_costs(gaps: &[u32], k0: u32) -> [u64; 3] {
         #[allow(unsafe_code)]
         return unsafe { avx512::rice_costs(gaps, k0) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if crate::codec::avx2_available() {
+        // Safety: the CPU has AVX2 (just checked).
+        #[allow(unsafe_code)]
+        return unsafe { rice_costs_avx2(gaps, k0) };
+    }
+    rice_costs_any(gaps, k0)
+}
+
+/// `rice_costs_any` compiled for AVX2, which the compiler vectorises eight
+/// gaps wide (the free diff 0.95-0.99 of the time at several optimizer
+/// steps, paired, on a Zen 3 without AVX-512).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn rice_costs_avx2(gaps: &[u32], k0: u32) -> [u64; 3] {
     rice_costs_any(gaps, k0)
 }
 
