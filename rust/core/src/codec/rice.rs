@@ -129,7 +129,16 @@ impl RiceWriter {
             self.unary_bits = end;
             return;
         }
-        self.lows.put_each(gaps, k);
+        let mut packed = 0;
+        #[cfg(target_arch = "x86_64")]
+        if avx2::packs_low_parts() {
+            // Safety: the CPU has AVX2 and BMI2 (just checked).
+            #[allow(unsafe_code)]
+            unsafe {
+                packed = avx2::put_low_parts(&mut self.lows, gaps, k)
+            };
+        }
+        self.lows.put_each(&gaps[packed..], k);
         #[cfg(target_arch = "x86_64")]
         if super::avx2_available() {
             // Safety: the CPU has AVX2 (just checked); `unary` holds the
@@ -466,6 +475,8 @@ mod avx2 {
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
 
+    use super::super::bits::BitWriter;
+
     /// For each byte value, each of its ones' bit number less the ones
     /// below it (the zeros before it in the byte), in ascending order.
     static ZEROS_BEFORE_ONES: [[u8; 8]; 256] = {
@@ -525,6 +536,61 @@ mod avx2 {
     /// The largest parameter the kernel reads: a part and its bit offset
     /// within a byte fit the three bytes each lane takes.
     pub(super) const MAX_K: u32 = 16;
+
+    /// Whether this CPU runs `put_low_parts`: AVX2 and a fast BMI2 (`pext`
+    /// is microcoded on AMD before Zen 3).
+    pub(super) fn packs_low_parts() -> bool {
+        super::super::x86::available()
+    }
+
+    /// `BitWriter::put_each` of the low parts of the leading gaps, sixteen
+    /// at a time where `k <= 14` (the AVX2 twin of `avx512::put_low_parts`):
+    /// narrowed to bytes (`k <= 7`) or 16-bit words by two packs, then
+    /// packed by a `pext` per eight bytes. Returns how many it wrote.
+    /// Measured on a Zen 3 host (`ab_timing` with `STAGE=diff`, paired,
+    /// two runs, against `put_each`'s shifts and ORs): the free diff of
+    /// fp32m 10->15 0.93-0.94, synthetic 5 % 0.96, 10->11 0.97-0.99, bf16
+    /// 10->11 0.97.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and BMI2.
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(super) unsafe fn put_low_parts(lows: &mut BitWriter, gaps: &[u32], k: u32) -> usize {
+        if !(1..=14).contains(&k) {
+            return 0;
+        }
+        let blocks = gaps.chunks_exact(16);
+        let done = gaps.len() - blocks.remainder().len();
+        let mut sink = lows.sink(done * k as usize);
+        // The low byte (or half) of each gap, so that the packs, which
+        // saturate, keep the bits below it.
+        let low = _mm256_set1_epi32(if k <= 7 { 0xFF } else { 0xFFFF });
+        let load = |block: &[u32], i: usize| _mm256_and_si256(_mm256_loadu_si256(block.as_ptr().add(i).cast()), low);
+        // The packs work within 128-bit lanes: the 16-bit results are
+        // gaps 0-3, 8-11, 4-7, 12-15 in turn, put back in order by a
+        // permute of 64-bit quarters.
+        let halves = |block: &[u32]| _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(load(block, 0), load(block, 8)));
+        if k <= 7 {
+            let mask = u64::from_le_bytes([((1u32 << k) - 1) as u8; 8]);
+            for block in blocks {
+                // Bytes 0-7 and 16-23 of the byte pack: gaps 0-7, 8-15.
+                let bytes = _mm256_packus_epi16(halves(block), _mm256_setzero_si256());
+                sink.put(_pext_u64(_mm256_extract_epi64::<0>(bytes) as u64, mask), 8 * k);
+                sink.put(_pext_u64(_mm256_extract_epi64::<2>(bytes) as u64, mask), 8 * k);
+            }
+        } else {
+            let mask = 0x0001_0001_0001_0001 * ((1u64 << k) - 1);
+            for block in blocks {
+                let words = halves(block);
+                sink.put(_pext_u64(_mm256_extract_epi64::<0>(words) as u64, mask), 4 * k);
+                sink.put(_pext_u64(_mm256_extract_epi64::<1>(words) as u64, mask), 4 * k);
+                sink.put(_pext_u64(_mm256_extract_epi64::<2>(words) as u64, mask), 4 * k);
+                sink.put(_pext_u64(_mm256_extract_epi64::<3>(words) as u64, mask), 4 * k);
+            }
+        }
+        sink.finish();
+        done
+    }
 
     /// `super::put_unary`, eight gaps at a time (the AVX2 twin of
     /// `avx512::put_unary`): the ones' offsets from a prefix sum of the
@@ -1103,6 +1169,19 @@ mod tests {
                 };
                 assert_eq!(by_eight[..unary.len()], unary[..], "AVX2: k {k}, {what}");
                 assert_eq!(by_eight[unary.len()], 0, "AVX2: k {k}, {what}: past the end");
+            }
+            #[cfg(target_arch = "x86_64")]
+            if avx2::packs_low_parts() {
+                // The AVX2 low parts, then the rest as the portable loop.
+                let mut packed = BitWriter::new();
+                // Safety: the CPU has AVX2 and BMI2 (just checked).
+                #[allow(unsafe_code)]
+                let done = unsafe { avx2::put_low_parts(&mut packed, gaps, k) };
+                assert_eq!(done, if (1..=14).contains(&k) { gaps.len() / 16 * 16 } else { 0 }, "AVX2 low parts: k {k}, {what}");
+                packed.put_each(&gaps[done..], k);
+                let mut each = BitWriter::new();
+                each.put_each(gaps, k);
+                assert_eq!(packed.finish(), each.finish(), "AVX2 low parts: k {k}, {what}");
             }
             let mut portable = lows.finish();
             portable.extend(unary.iter().flat_map(|w| w.to_le_bytes()).take(unary_bits.div_ceil(8) as usize));
