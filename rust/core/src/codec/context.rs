@@ -203,14 +203,27 @@ fn choose_buckets<T: Word>(old: &[u8], model: &ContextModel, changes: &[u64]) ->
     let w = T::BYTES;
     let n = old.len() / w;
     let stride = (n / (SAMPLE_BLOCK * SAMPLE_BLOCKS)).max(1);
-    let mut elements = vec![0u64; nctx];
+    // Counted in four interleaved sets (word `j` of each four in set `j`):
+    // neighbouring words mostly share a context, and with one counter each
+    // increment waited on the one before (the context diff 0.98-0.99 of
+    // the time, paired, Zen 3; the sample is 5-12 % of a chunk of the
+    // training pairs' tensors).
+    let mut sets = vec![[0u32; 4]; nctx];
     let mut sampled = 0usize;
     for block in old.chunks(SAMPLE_BLOCK * w).step_by(stride) {
-        for word in block.chunks_exact(w) {
-            elements[model.context(T::load(word))] += 1;
+        let fours = block.chunks_exact(4 * w);
+        let rest = fours.remainder();
+        for four in fours {
+            for (word, set) in four.chunks_exact(w).zip(0..4) {
+                sets[model.context(T::load(word))][set] += 1;
+            }
+        }
+        for word in rest.chunks_exact(w) {
+            sets[model.context(T::load(word))][0] += 1;
         }
         sampled += block.len() / w;
     }
+    let elements: Vec<u64> = sets.iter().map(|set| set.iter().map(|&k| u64::from(k)).sum()).collect();
     let scale = n as f64 / sampled.max(1) as f64;
     // A bucket with changes takes a table entry and a bound, one without a bound.
     const LISTED_BITS: f64 = 32.0;
