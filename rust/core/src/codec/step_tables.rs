@@ -1190,7 +1190,7 @@ pub(super) mod avx2 {
                 let h = b * (BLOCK / 8) + k;
                 // The next block's words, asked for while this block's
                 // chain runs (the expansion read the chunk long before, so
-                // they are no longer near: 0.92-0.96 of the context apply's
+                // they are no longer near: 0.92-0.98 of the context apply's
                 // time at one optimizer step, 0.93-0.99 at several, paired,
                 // on a Zen 3).
                 for &p in positions.get((b + 1) * BLOCK + 8 * k..).unwrap_or_default().iter().take(8) {
