@@ -51,9 +51,7 @@ pub(super) unsafe fn apply_sparse<const W: usize>(
     while i < n {
         // The positions are irregular, which the hardware prefetcher does
         // not follow: ask for the words a few steps ahead.
-        for &p in positions.get(i + PREFETCH_AHEAD..).unwrap_or_default().iter().take(8) {
-            _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(p as usize * W).cast());
-        }
+        super::prefetch_words(base, W, positions, i + PREFETCH_AHEAD, 8);
         let group = &positions[i..i + 8];
         for (o, &p) in old.iter_mut().zip(group) {
             let mut word = [0u8; 4];

@@ -182,9 +182,7 @@ pub(super) unsafe fn apply_sparse<const W: i32>(
                 _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(*ahead.add(k) as usize * w).cast());
             }
         } else {
-            for &p in positions.get(i + PREFETCH_AHEAD..).unwrap_or_default().iter().take(16) {
-                _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(p as usize * w).cast());
-            }
+            super::prefetch_words(base, w, positions, i + PREFETCH_AHEAD, 16);
         }
         let m = lanes(n - i);
         let vp = _mm512_maskz_loadu_epi32(m, positions.as_ptr().add(i).cast());

@@ -862,6 +862,17 @@ fn prefetch(p: *const u8) {
     let _ = p;
 }
 
+/// Prefetch the words of the chunk at `base` (`width` bytes each) at
+/// `positions[from..]`, the first `count` of those there are: changes are
+/// irregular, which the hardware prefetcher does not follow, so the
+/// kernels that load or gather them ask a few steps ahead.
+#[inline(always)]
+fn prefetch_words(base: *const u8, width: usize, positions: &[u32], from: usize, count: usize) {
+    for &p in positions.get(from..).unwrap_or_default().iter().take(count) {
+        prefetch(base.wrapping_add(p as usize * width));
+    }
+}
+
 /// Apply sparse changes given as byte planes, word by word, and accumulate
 /// the digest move as the words are written (one pass, no per-change
 /// records). Positions were bounds-checked while decoding.

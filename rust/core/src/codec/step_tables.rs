@@ -1193,9 +1193,7 @@ pub(super) mod avx2 {
                 // they are no longer near: 0.92-0.98 of the context apply's
                 // time at one optimizer step, 0.93-0.99 at several, paired,
                 // on a Zen 3).
-                for &p in positions.get((b + 1) * BLOCK + 8 * k..).unwrap_or_default().iter().take(8) {
-                    _mm_prefetch::<_MM_HINT_T0>(old.as_ptr().wrapping_add(p as usize * W as usize).cast());
-                }
+                crate::codec::prefetch_words(old.as_ptr(), W as usize, positions, (b + 1) * BLOCK + 8 * k, 8);
                 let x = states[h % 2];
                 let vo = _mm256_loadu_si256(olds.as_ptr().add(8 * k).cast());
                 let table = _mm256_loadu_si256(tables.as_ptr().add(8 * k).cast());

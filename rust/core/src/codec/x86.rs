@@ -970,9 +970,7 @@ pub(super) unsafe fn survey_steps<const W: i32>(
         // The words eight groups ahead: the scan read the chunk before,
         // and its words at the changes are no longer near (0.96-0.99 of
         // the context diff's time, paired, on a Zen 3).
-        for &p in positions.get(16 * g + 128..).unwrap_or_default().iter().take(16) {
-            _mm_prefetch::<_MM_HINT_T0>(old.as_ptr().wrapping_add(p as usize * W as usize).cast());
-        }
+        super::prefetch_words(old.as_ptr(), W as usize, positions, 16 * g + 128, 16);
         let mut negative = 0u16;
         for half in 0..2 {
             let i = 16 * g + 8 * half;
