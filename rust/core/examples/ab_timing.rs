@@ -5,7 +5,9 @@
 //! the switch: `cargo run --release -p dcr-core --features ab-switch
 //! --example ab_timing OLD NEW [REPEATS]` (`MODE=context` for that mode).
 //! With `COLD=1` each repeat starts with the caches evicted (see
-//! `common::evict_caches`). The code under study reads `codec::AB_SWITCH`
+//! `common::evict_caches`). With `DELTAS=2` the apply of each variant
+//! applies the delta written with the switch as it is (for encoder
+//! choices that change the payload). The code under study reads `codec::AB_SWITCH`
 //! to pick its variant; an A/A run (nothing reads it) shows the harness's
 //! own spread (+-1 %).
 use std::sync::atomic::Ordering;
@@ -27,12 +29,25 @@ fn main() {
     let (ob, nb) = (a.buffers(), b.buffers());
     let context = std::env::var("MODE").is_ok_and(|m| m == "context");
     let opts = DiffOptions { mode: if context { codec::Mode::Context } else { codec::Mode::Free }, ..Default::default() };
-    let mut bytes = Vec::new();
-    delta::diff(&layout, &ob, &nb, &opts, &mut |f| {
-        bytes.extend_from_slice(f);
-        Ok(())
-    }, &mut |_, _| {}).unwrap();
-    let parsed = delta::read_delta(&bytes).unwrap();
+    // With `DELTAS=2` each variant applies the delta its own encoder
+    // wrote (the switch on while the second was written): for encoder
+    // choices that change the payload.
+    let two = std::env::var("DELTAS").is_ok_and(|d| d == "2");
+    let encoded: Vec<Vec<u8>> = (0..1 + usize::from(two))
+        .map(|variant| {
+            codec::AB_SWITCH.store(variant == 1, Ordering::Relaxed);
+            let mut bytes = Vec::new();
+            delta::diff(&layout, &ob, &nb, &opts, &mut |f| {
+                bytes.extend_from_slice(f);
+                Ok(())
+            }, &mut |_, _| {}).unwrap();
+            bytes
+        })
+        .collect();
+    if two {
+        println!("delta bytes: A {}, B {}", encoded[0].len(), encoded[1].len());
+    }
+    let parsed: Vec<_> = encoded.iter().map(|bytes| delta::read_delta(bytes).unwrap()).collect();
     let base = layout.tensor_digests(&ob);
     let mut work: Vec<Vec<u8>> = ob.iter().map(|x| x.to_vec()).collect();
     let mut times = [Vec::new(), Vec::new()];
@@ -54,7 +69,8 @@ fn main() {
             }, &mut |_, _| {}).unwrap());
             std::hint::black_box(n);
         } else {
-            dcr_core::exec::on_this_thread(|| delta::apply_from(&parsed, &layout, &mut targets, Some(&base)).unwrap());
+            let parsed = &parsed[variant.min(parsed.len() - 1)];
+            dcr_core::exec::on_this_thread(|| delta::apply_from(parsed, &layout, &mut targets, Some(&base)).unwrap());
         }
         times[variant].push(t.elapsed().as_secs_f64() * 1e3);
     }

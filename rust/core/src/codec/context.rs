@@ -652,21 +652,89 @@ fn bucket_gaps_reference<T: Word>(old: &[u8], model: &ContextModel, buckets: &Bu
     out
 }
 
-/// Position modes of a listed context (bit 0 of its table byte).
+/// Position modes of a listed bucket (bits 0-1 of its table byte).
 const MODE_RICE: u8 = 0;
 const MODE_CODED_FLAGS: u8 = 1;
+const MODE_RUNS: u8 = 2;
 
-/// A context's flags are range-coded (one adaptive decision per element up
-/// to its last change) instead of its gaps Rice-coded when it has at least
-/// one change per `CODED_FLAGS_SPAN_PER_CHANGE` elements and the flags'
-/// estimated cost is below `CODED_FLAGS_GAIN` of the Rice codes' bits: at
-/// such densities a Rice code can lose a fifth of a bit per change (most
-/// changes of pure-bf16 training sit in such contexts, the smallest
-/// exponents), but where it does not, decoding one flag per element would
-/// only cost time (on the training pairs this halves to quarters the flags
-/// decoded, for 0.3 % more bytes).
+/// A dense bucket's changes as runs: its ranks alternate between runs of
+/// unchanged and of changed elements, and the lengths of both are coded as
+/// two Rice lists (`unchanged[0]` is the first run, from rank 0, and may
+/// be empty; each later unchanged run less one; each changed run less
+/// one). Where changes come in runs this codes what the order-1 coded
+/// flags do, per run rather than per element.
+struct Runs {
+    unchanged: Vec<u32>,
+    changed: Vec<u32>,
+}
+
+/// `Runs::fill` tries runs where at least one change in this many follows
+/// a change.
+const RUNS_MIN_SHARE: usize = 4;
+
+impl Runs {
+    /// Fill with the runs of a bucket's gaps (its first rank, then each
+    /// rank less the one before, less one), unless fewer than one in
+    /// `RUNS_MIN_SHARE` of its changes follow a change: then the two lists
+    /// together are about as long as the gaps and cannot code them in
+    /// fewer bits (returns false, without filling).
+    fn fill(&mut self, gaps: &[u32]) -> bool {
+        let Some((&first, rest)) = gaps.split_first() else {
+            return false;
+        };
+        if rest.iter().filter(|&&g| g == 0).count() * RUNS_MIN_SHARE < gaps.len() {
+            return false;
+        }
+        // Branch-free (whether a change follows a change is a coin toss
+        // in these buckets): every gap writes both slots, a nonzero one
+        // keeps them.
+        self.unchanged.clear();
+        self.unchanged.resize(gaps.len(), 0);
+        self.changed.clear();
+        self.changed.resize(gaps.len(), 0);
+        self.unchanged[0] = first;
+        let (mut runs, mut run) = (0usize, 0u32); // runs ended; the current one, less one
+        for &g in rest {
+            let ends = usize::from(g != 0);
+            self.changed[runs] = run;
+            self.unchanged[runs + 1] = g.wrapping_sub(1);
+            runs += ends;
+            run = if ends == 1 { 0 } else { run + 1 };
+        }
+        self.changed[runs] = run;
+        self.unchanged.truncate(runs + 1);
+        self.changed.truncate(runs + 1);
+        true
+    }
+
+    /// The best Rice parameters of the two lists and their bits.
+    fn costs(&self) -> ((u32, u64), (u32, u64)) {
+        let best = |values: &[u32]| {
+            let count = values.len() as u64;
+            best_rice_parameter(values, values.iter().map(|&v| u64::from(v)).sum::<u64>() + count, count)
+        };
+        (best(&self.unchanged), best(&self.changed))
+    }
+}
+
+/// A bucket with at least one change per `CODED_FLAGS_SPAN_PER_CHANGE`
+/// elements (dense) may code its changes as runs or as range-coded flags
+/// (one adaptive decision per element up to its last change) instead of
+/// its gaps as Rice codes. At such densities a Rice code of the gaps can
+/// lose a fifth of a bit per change (most changes of pure-bf16 training
+/// sit in such buckets, the smallest exponents), where changes come in
+/// runs. Runs are taken where they are smaller than the gaps' Rice codes;
+/// the flags, which decode one element at a time, only where their
+/// estimated cost is below `CODED_FLAGS_GAIN` of the smaller of the two.
+/// Measured against format v7's choice (flags where below 0.95 of the
+/// gaps' codes, no runs) on the training pairs (`ab_timing` with
+/// `DELTAS=2 MODE=context`, paired, Zen 3): the context apply of fp32m
+/// 10->11 0.97-0.98, bf16 10->11 0.92-0.94, 12->15 0.90-0.91, 10->15
+/// 0.92-0.94 of the time, the diff 0.98-1.01, for 0.2-0.6 % more bytes;
+/// no flags at all (only runs) decoded no faster on the fp32m pairs, 3 %
+/// faster on bf16, for 0.1-0.2 % more bytes again.
 const CODED_FLAGS_SPAN_PER_CHANGE: u64 = 8;
-const CODED_FLAGS_GAIN: f64 = 0.95;
+const CODED_FLAGS_GAIN: f64 = 0.9;
 
 /// The bits the flags of a context with these gaps take when each is coded
 /// with a probability picked by the flag before it, as the empirical
@@ -721,6 +789,7 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
     let mut prev_bucket = 0usize;
     let mut rice = RiceWriter::new();
     let mut rc = RangeEncoder::default();
+    let mut runs = Runs { unchanged: Vec::new(), changed: Vec::new() };
     for b in 0..buckets.len() {
         let gaps = bucket_gaps.of(b);
         let m_b = gaps.len() as u64;
@@ -730,18 +799,27 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
         let span = u64::from(bucket_gaps.span[b]); // flags up to the last change
         let (k, rice_bits) = best_rice_parameter(gaps, span, m_b);
         let dense = m_b * CODED_FLAGS_SPAN_PER_CHANGE >= span;
-        let (mode, k) = if dense && coded_flags_estimate(gaps, span) < CODED_FLAGS_GAIN * rice_bits as f64 {
+        let run_costs = (dense && runs.fill(gaps)).then(|| runs.costs());
+        // The runs' count and second parameter take about two bytes more.
+        let runs_bits = run_costs.map_or(u64::MAX, |((_, a), (_, b))| a + b + 16);
+        let fast_bits = rice_bits.min(runs_bits);
+        put_varint(&mut entries, (b - prev_bucket) as u64);
+        put_varint(&mut entries, m_b);
+        if dense && coded_flags_estimate(gaps, span) < CODED_FLAGS_GAIN * fast_bits as f64 {
             // Ranks 0 up to its last change, each flag coded under the
             // flag before it (changes come in runs).
             rc.order1_flags(gaps);
-            (MODE_CODED_FLAGS, 0)
+            entries.push(MODE_CODED_FLAGS);
+        } else if let Some(((k_unchanged, unchanged_bits), (k_changed, changed_bits))) = run_costs.filter(|_| runs_bits < rice_bits) {
+            rice.put_gaps(&runs.unchanged, k_unchanged, unchanged_bits);
+            rice.put_gaps(&runs.changed, k_changed, changed_bits);
+            entries.push(MODE_RUNS | (k_unchanged as u8) << 2);
+            entries.push(k_changed as u8);
+            put_varint(&mut entries, runs.changed.len() as u64);
         } else {
             rice.put_gaps(gaps, k, rice_bits);
-            (MODE_RICE, k)
-        };
-        put_varint(&mut entries, (b - prev_bucket) as u64);
-        put_varint(&mut entries, m_b);
-        entries.push(mode | (k as u8) << 1);
+            entries.push(MODE_RICE | (k as u8) << 2);
+        }
         prev_bucket = b;
         listed += 1;
     }
@@ -836,7 +914,11 @@ struct Listed {
     bucket: usize,
     changes: u64,
     mode: u8,
+    /// The Rice parameter (runs: of the unchanged runs).
     k: u32,
+    /// Runs mode: the parameter of the changed runs and how many there are.
+    k_changed: u32,
+    runs: u64,
 }
 
 /// A payload's bucket table and streams, checked for consistency with the
@@ -891,12 +973,25 @@ fn parse<'a>(payload: &'a [u8], n: usize, m: usize, nctx: usize, context: &'a st
         let changes = get_varint(payload, &mut pos, 10).ok_or_else(truncated)?;
         let code = *payload.get(pos).ok_or_else(truncated)?;
         pos += 1;
-        let (mode, k) = (code & 1, u32::from(code >> 1));
-        if changes == 0 || changes > m as u64 || k > 31 || (mode == MODE_CODED_FLAGS && k != 0) {
-            return Err(bad("bad bucket entry"));
+        let (mode, k) = (code & 3, u32::from(code >> 2));
+        let (mut k_changed, mut runs) = (0, 0);
+        if mode == MODE_RUNS {
+            k_changed = u32::from(*payload.get(pos).ok_or_else(truncated)?);
+            pos += 1;
+            runs = get_varint(payload, &mut pos, 10).ok_or_else(truncated)?;
+        }
+        if changes == 0
+            || changes > m as u64
+            || k > 31
+            || k_changed > 31
+            || mode > MODE_RUNS
+            || (mode == MODE_CODED_FLAGS && k != 0)
+            || (mode == MODE_RUNS && !(1..=changes).contains(&runs))
+        {
+            return Err(bad(&format!("bad bucket entry (position mode {mode}, parameters {k} and {k_changed}, {runs} runs of {changes} changes)")));
         }
         total += changes;
-        listed.push(Listed { bucket, changes, mode, k });
+        listed.push(Listed { bucket, changes, mode, k, k_changed, runs });
     }
     if total != m as u64 {
         return Err(bad("bucket table does not match the chunk's change count"));
@@ -939,20 +1034,47 @@ fn rank_bitmaps(parsed: &Parsed<'_>, n: usize, rc: &mut RangeDecoder<'_>, contex
     let nb = parsed.buckets.len();
     let mut maps = RankBitmaps { words: Vec::new(), base: vec![0; nb], limit: vec![0; nb] };
     let mut bits_left = n as u64;
-    let mut ranks = Vec::new();
-    let low_bits = parsed.listed.iter().filter(|l| l.mode == MODE_RICE).map(|l| l.changes * u64::from(l.k)).sum();
+    let (mut ranks, mut ends) = (Vec::new(), Vec::new());
+    let low_bits = parsed
+        .listed
+        .iter()
+        .map(|l| match l.mode {
+            MODE_RICE => l.changes * u64::from(l.k),
+            MODE_RUNS => l.runs * u64::from(l.k + l.k_changed),
+            _ => 0,
+        })
+        .sum();
     let mut reader = RiceReader::new(&parsed.rice, low_bits).map_err(bad)?;
     for l in &parsed.listed {
         let base = maps.words.len();
         maps.base[l.bucket] = base;
-        let limit = if l.mode == MODE_RICE {
-            ranks.clear();
-            let next = reader.read_ascending(l.k, l.changes, bits_left, &mut ranks).map_err(bad)?;
-            maps.words.resize(base + next.div_ceil(64) as usize, 0);
-            set_ranks(&mut maps.words[base..], &ranks);
-            next
-        } else {
-            rc.order1_flags(l.changes, bits_left, &mut maps.words).ok_or_else(|| bad("positions beyond the chunk's elements"))?
+        let limit = match l.mode {
+            MODE_RICE => {
+                ranks.clear();
+                let next = reader.read_ascending(l.k, l.changes, bits_left, &mut ranks).map_err(bad)?;
+                maps.words.resize(base + next.div_ceil(64) as usize, 0);
+                set_ranks(&mut maps.words[base..], &ranks);
+                next
+            }
+            MODE_RUNS => {
+                // Read as ascending lists: the unchanged elements before
+                // each changed run, and the changes up to each run's end
+                // (less one).
+                if l.changes > bits_left {
+                    return Err(bad("positions beyond the chunk's elements"));
+                }
+                ranks.clear();
+                ends.clear();
+                reader.read_ascending(l.k, l.runs, bits_left - l.changes + 1, &mut ranks).map_err(bad)?;
+                if reader.read_ascending(l.k_changed, l.runs, l.changes, &mut ends).map_err(bad)? != l.changes {
+                    return Err(bad("changed runs do not add up to the bucket's changes"));
+                }
+                let span = u64::from(ranks[ranks.len() - 1]) + l.changes;
+                maps.words.resize(base + span.div_ceil(64) as usize, 0);
+                set_runs(&mut maps.words[base..], &ranks, &ends);
+                span
+            }
+            _ => rc.order1_flags(l.changes, bits_left, &mut maps.words).ok_or_else(|| bad("positions beyond the chunk's elements"))?,
         };
         bits_left -= limit;
         maps.limit[l.bucket] = limit;
@@ -975,6 +1097,26 @@ fn set_ranks(map: &mut [u64], ranks: &[u32]) {
         word = (word & same) | 1 << (rank % 64);
         map[index] = word;
         at = index;
+    }
+}
+
+/// Set the runs of changed ranks in a `map` of zeros: run `j` follows
+/// `unchanged[j]` unchanged ranks in all and ends after `ends[j] + 1`
+/// changes in all (both ascending, as `RiceReader::read_ascending` reads
+/// them; the runs fit the map).
+fn set_runs(map: &mut [u64], unchanged: &[u32], ends: &[u32]) {
+    let mut changes_before = 0u64;
+    for (&u, &end) in unchanged.iter().zip(ends) {
+        let end = u64::from(end) + 1;
+        let (mut at, mut left) = (u64::from(u) + changes_before, end - changes_before);
+        while left > 0 {
+            let offset = at % 64;
+            let take = left.min(64 - offset);
+            map[(at / 64) as usize] |= (u64::MAX >> (64 - take)) << offset;
+            at += take;
+            left -= take;
+        }
+        changes_before = end;
     }
 }
 
@@ -1383,42 +1525,129 @@ mod tests {
         }
     }
 
-    /// A bf16 chunk where the smallest values change in runs (their flags
-    /// are range-coded) and the larger ones rarely (Rice codes): both
-    /// position modes appear in the table, and both decoders give back the
-    /// changes exactly.
-    #[test]
-    fn dense_contexts_code_flags_and_sparse_ones_rice() {
-        let model = ContextModel::for_dtype(DType(Dtype::BF16));
+    /// A bf16 chunk in three kinds of elements: the smallest values change
+    /// in runs (coded as runs), the middle ones nearly all, independently
+    /// (range-coded flags: a run code spends about a bit on each short
+    /// unchanged run), the larger ones rarely (Rice codes of the gaps).
+    /// Returns the old and new bytes.
+    fn three_position_modes_chunk(n: usize) -> (Vec<u8>, Vec<u8>) {
         let mut next = super::super::tests::xorshift(0x2545_f491_4f6c_dd1d);
-        let n = 20_000usize;
         let mut old = Vec::with_capacity(2 * n);
         let mut new = Vec::with_capacity(2 * n);
         for i in 0..n {
             let r = next();
-            // Exponent 100 (tiny values) for a third of the elements, 120 else.
-            let exponent: u16 = if i % 3 == 0 { 100 } else { 120 };
+            let exponent: u16 = [100, 110, 120][i % 3];
             let word = (exponent << 7) | (r as u16 & 0x7f);
-            // Tiny values change in runs of 40 of every 50; the others 1 in 60.
-            let changes = if exponent == 100 { (i / 3) % 50 < 40 } else { r >> 40 & 63 == 0 };
+            let changes = match exponent {
+                // Runs of 40 of every 50.
+                100 => (i / 3) % 50 < 40,
+                // 31 in 32.
+                110 => r >> 40 & 31 != 0,
+                // 1 in 64.
+                _ => r >> 40 & 63 == 0,
+            };
             let moved = if changes { word.wrapping_add(1 + (r >> 20 & 1) as u16) } else { word };
             old.extend_from_slice(&word.to_le_bytes());
             new.extend_from_slice(&moved.to_le_bytes());
         }
+        (old, new)
+    }
+
+    /// `three_position_modes_chunk`: each kind of element gets a bucket of
+    /// its own and its own position mode, and both decoders give back the
+    /// changes exactly.
+    #[test]
+    fn buckets_code_runs_flags_or_rice_as_their_changes_fall() {
+        let model = ContextModel::for_dtype(DType(Dtype::BF16));
+        let n = 30_000usize;
+        let (old, new) = three_position_modes_chunk(n);
         let found = super::super::find_changes(&old, &new, 2, ChangeKind::Xor).unwrap();
         let m = found.positions.len();
         let payload = encode(&old, &new, &found, &model, 1);
         let parsed = parse(&payload, n, m, model.contexts(), "t").unwrap();
-        // The two exponents change at very different rates: each gets its own bucket.
-        let (tiny, large) = (parsed.buckets.of(100), parsed.buckets.of(120));
-        assert_ne!(tiny, large, "bounds {:?}", parsed.buckets.bounds);
+        // The three exponents change at very different rates: each gets its own bucket.
+        let (runs, flags, rice) = (parsed.buckets.of(100), parsed.buckets.of(110), parsed.buckets.of(120));
+        assert!(runs != flags && flags != rice && runs != rice, "bounds {:?}", parsed.buckets.bounds);
         let modes: Vec<(usize, u8)> = parsed.listed.iter().map(|l| (l.bucket, l.mode)).collect();
-        assert!(modes.contains(&(tiny, MODE_CODED_FLAGS)) && modes.contains(&(large, MODE_RICE)), "{modes:?}");
+        for expected in [(runs, MODE_RUNS), (flags, MODE_CODED_FLAGS), (rice, MODE_RICE)] {
+            assert!(modes.contains(&expected), "{expected:?} in {modes:?}");
+        }
         for kind in [ChangeKind::Xor, ChangeKind::Overwrite] {
             let expected = super::super::find_changes(&old, &new, 2, kind).unwrap();
             assert_eq!(decode(&payload, &old, &model, m as u32, kind, "t").unwrap(), expected);
             assert_eq!(decode_reference(&payload, &old, &model, m as u32, kind, "t").unwrap(), expected);
         }
+    }
+
+    /// Where in a payload each listed bucket's entry lies: its code byte
+    /// and, for runs, the varint of its run count.
+    fn entry_offsets(payload: &[u8]) -> Vec<(usize, Option<usize>)> {
+        let mut pos = 1;
+        for _ in 0..payload[0] & 0x0f {
+            get_varint(payload, &mut pos, 10).unwrap();
+        }
+        let listed = get_varint(payload, &mut pos, 10).unwrap();
+        (0..listed)
+            .map(|_| {
+                get_varint(payload, &mut pos, 10).unwrap();
+                get_varint(payload, &mut pos, 10).unwrap();
+                let code = pos;
+                pos += 1;
+                let mut runs = None;
+                if payload[code] & 3 == MODE_RUNS {
+                    runs = Some(pos + 1);
+                    pos += 1;
+                    get_varint(payload, &mut pos, 10).unwrap();
+                }
+                (code, runs)
+            })
+            .collect()
+    }
+
+    /// A runs entry whose run count is zero, exceeds its changes or does
+    /// not match its lists, and an unknown position mode, are refused
+    /// with a message, by both decoders.
+    #[test]
+    fn bad_run_entries_are_refused() {
+        let model = ContextModel::for_dtype(DType(Dtype::BF16));
+        let n = 30_000usize;
+        let (old, new) = three_position_modes_chunk(n);
+        let found = super::super::find_changes(&old, &new, 2, ChangeKind::Xor).unwrap();
+        let m = found.positions.len();
+        let payload = encode(&old, &new, &found, &model, 1);
+        let entries = entry_offsets(&payload);
+        let parsed = parse(&payload, n, m, model.contexts(), "t").unwrap();
+        let (i, runs_at) = entries.iter().enumerate().find_map(|(i, e)| e.1.map(|at| (i, at))).expect("a runs entry");
+        let (runs, changes) = (parsed.listed[i].runs, parsed.listed[i].changes);
+        assert!(changes > runs + 1, "{runs} runs of {changes} changes");
+        // The payload with another run count (a varint of its own length).
+        let with_runs = |count: u64| {
+            let mut end = runs_at;
+            get_varint(&payload, &mut end, 10).unwrap();
+            let mut bytes = payload[..runs_at].to_vec();
+            put_varint(&mut bytes, count);
+            bytes.extend_from_slice(&payload[end..]);
+            bytes
+        };
+        let refused = |bytes: &[u8], what: &str| {
+            for result in [decode(bytes, &old, &model, m as u32, ChangeKind::Xor, "t"), decode_reference(bytes, &old, &model, m as u32, ChangeKind::Xor, "t")] {
+                let err = result.expect_err(what).to_string();
+                assert!(err.contains("bucket entry") || err.contains("runs") || err.contains("position"), "{what}: {err}");
+            }
+        };
+        for count in [0, 1, runs - 1, runs + 1, changes, changes + 1] {
+            let bytes = with_runs(count);
+            if count == 0 || count > changes {
+                refused(&bytes, &format!("{count} runs of {changes} changes"));
+            } else {
+                // The lists then hold other values: refused as they are
+                // read, or as the changes fail to add up.
+                refused(&bytes, &format!("{count} runs for {runs}"));
+            }
+        }
+        let mut bytes = payload.clone();
+        bytes[entries[i].0] |= 3;
+        refused(&bytes, "position mode 3");
     }
 
     /// Table-coded steps decoded by the vector kernels (sixteen or eight
