@@ -662,49 +662,57 @@ const MODE_RUNS: u8 = 2;
 /// two Rice lists (`unchanged[0]` is the first run, from rank 0, and may
 /// be empty; each later unchanged run less one; each changed run less
 /// one). Where changes come in runs this codes what the order-1 coded
-/// flags do, per run rather than per element.
+/// flags do, per run rather than per element. The buffers are kept from
+/// bucket to bucket; the runs are their first `count` values.
 struct Runs {
     unchanged: Vec<u32>,
     changed: Vec<u32>,
+    count: usize,
 }
 
-/// `Runs::fill` tries runs where at least one change in this many follows
-/// a change.
-const RUNS_MIN_SHARE: usize = 4;
+/// Runs are tried where at least one change in this many follows a change:
+/// with fewer the two lists together are about as long as the gaps and
+/// cannot code them in fewer bits.
+const RUNS_MIN_SHARE: u64 = 4;
 
 impl Runs {
     /// Fill with the runs of a bucket's gaps (its first rank, then each
-    /// rank less the one before, less one), unless fewer than one in
-    /// `RUNS_MIN_SHARE` of its changes follow a change: then the two lists
-    /// together are about as long as the gaps and cannot code them in
-    /// fewer bits (returns false, without filling).
-    fn fill(&mut self, gaps: &[u32]) -> bool {
+    /// rank less the one before, less one).
+    fn fill(&mut self, gaps: &[u32]) {
         let Some((&first, rest)) = gaps.split_first() else {
-            return false;
+            self.count = 0;
+            return;
         };
-        if rest.iter().filter(|&&g| g == 0).count() * RUNS_MIN_SHARE < gaps.len() {
-            return false;
+        // Every slot below is written before it is read.
+        if self.unchanged.len() < gaps.len() {
+            self.unchanged.resize(gaps.len(), 0);
+            self.changed.resize(gaps.len(), 0);
         }
         // Branch-free (whether a change follows a change is a coin toss
         // in these buckets): every gap writes both slots, a nonzero one
         // keeps them.
-        self.unchanged.clear();
-        self.unchanged.resize(gaps.len(), 0);
-        self.changed.clear();
-        self.changed.resize(gaps.len(), 0);
-        self.unchanged[0] = first;
+        let (unchanged, changed) = (&mut self.unchanged[..gaps.len()], &mut self.changed[..gaps.len()]);
+        unchanged[0] = first;
         let (mut runs, mut run) = (0usize, 0u32); // runs ended; the current one, less one
         for &g in rest {
             let ends = usize::from(g != 0);
-            self.changed[runs] = run;
-            self.unchanged[runs + 1] = g.wrapping_sub(1);
+            // `runs` is at most this gap's index in `rest`: both slots
+            // lie inside.
+            changed[runs] = run;
+            unchanged[runs + 1] = g.wrapping_sub(1);
             runs += ends;
             run = if ends == 1 { 0 } else { run + 1 };
         }
-        self.changed[runs] = run;
-        self.unchanged.truncate(runs + 1);
-        self.changed.truncate(runs + 1);
-        true
+        changed[runs] = run;
+        self.count = runs + 1;
+    }
+
+    fn unchanged(&self) -> &[u32] {
+        &self.unchanged[..self.count]
+    }
+
+    fn changed(&self) -> &[u32] {
+        &self.changed[..self.count]
     }
 
     /// The best Rice parameters of the two lists and their bits.
@@ -713,7 +721,7 @@ impl Runs {
             let count = values.len() as u64;
             best_rice_parameter(values, values.iter().map(|&v| u64::from(v)).sum::<u64>() + count, count)
         };
-        (best(&self.unchanged), best(&self.changed))
+        (best(self.unchanged()), best(self.changed()))
     }
 }
 
@@ -736,10 +744,12 @@ impl Runs {
 const CODED_FLAGS_SPAN_PER_CHANGE: u64 = 8;
 const CODED_FLAGS_GAIN: f64 = 0.9;
 
-/// The bits the flags of a context with these gaps take when each is coded
+/// The bits the flags of a bucket with these gaps take when each is coded
 /// with a probability picked by the flag before it, as the empirical
-/// conditional entropy plus a learning allowance of two probabilities.
-fn coded_flags_estimate(gaps: &[u32], span: u64) -> f64 {
+/// conditional entropy plus a learning allowance of two probabilities;
+/// `after_change` is how many of its changes follow a change (the zero
+/// gaps after the first).
+fn coded_flags_estimate(gaps: &[u32], span: u64, after_change: u64) -> f64 {
     fn entropy(a: u64, b: u64) -> f64 {
         let t = (a + b) as f64;
         [a, b].iter().filter(|&&x| x > 0).map(|&x| -(x as f64) * (x as f64 / t).log2()).sum()
@@ -747,11 +757,11 @@ fn coded_flags_estimate(gaps: &[u32], span: u64) -> f64 {
     // After a change: a change next when the gap is 0. After an unchanged
     // element: a change next once per nonzero gap (the first flag follows
     // an unchanged one).
-    let later = gaps.get(1..).unwrap_or(&[]);
-    let change_then_change = later.iter().filter(|&&g| g == 0).count() as u64;
-    let change_then_same = later.len() as u64 - change_then_change;
-    let unchanged = gaps.iter().map(|&g| u64::from(g)).sum::<u64>();
-    let same_then_change = gaps.iter().filter(|&&g| g > 0).count() as u64;
+    let m = gaps.len() as u64;
+    let change_then_change = after_change;
+    let change_then_same = m.saturating_sub(1) - after_change;
+    let unchanged = span - m;
+    let same_then_change = m - after_change - u64::from(gaps.first() == Some(&0));
     let same_then_same = unchanged - same_then_change;
     entropy(change_then_change, change_then_same) + entropy(same_then_change, same_then_same) + 2.0 * ((span + 1) as f64).log2()
 }
@@ -789,7 +799,7 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
     let mut prev_bucket = 0usize;
     let mut rice = RiceWriter::new();
     let mut rc = RangeEncoder::default();
-    let mut runs = Runs { unchanged: Vec::new(), changed: Vec::new() };
+    let mut runs = Runs { unchanged: Vec::new(), changed: Vec::new(), count: 0 };
     for b in 0..buckets.len() {
         let gaps = bucket_gaps.of(b);
         let m_b = gaps.len() as u64;
@@ -799,23 +809,28 @@ fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model:
         let span = u64::from(bucket_gaps.span[b]); // flags up to the last change
         let (k, rice_bits) = best_rice_parameter(gaps, span, m_b);
         let dense = m_b * CODED_FLAGS_SPAN_PER_CHANGE >= span;
-        let run_costs = (dense && runs.fill(gaps)).then(|| runs.costs());
+        // How many changes follow a change (zero gaps after the first).
+        let after_change = if dense { gaps[1..].iter().filter(|&&g| g == 0).count() as u64 } else { 0 };
+        let run_costs = (dense && after_change * RUNS_MIN_SHARE >= m_b).then(|| {
+            runs.fill(gaps);
+            runs.costs()
+        });
         // The runs' count and second parameter take about two bytes more.
         let runs_bits = run_costs.map_or(u64::MAX, |((_, a), (_, b))| a + b + 16);
         let fast_bits = rice_bits.min(runs_bits);
         put_varint(&mut entries, (b - prev_bucket) as u64);
         put_varint(&mut entries, m_b);
-        if dense && coded_flags_estimate(gaps, span) < CODED_FLAGS_GAIN * fast_bits as f64 {
+        if dense && coded_flags_estimate(gaps, span, after_change) < CODED_FLAGS_GAIN * fast_bits as f64 {
             // Ranks 0 up to its last change, each flag coded under the
             // flag before it (changes come in runs).
             rc.order1_flags(gaps);
             entries.push(MODE_CODED_FLAGS);
         } else if let Some(((k_unchanged, unchanged_bits), (k_changed, changed_bits))) = run_costs.filter(|_| runs_bits < rice_bits) {
-            rice.put_gaps(&runs.unchanged, k_unchanged, unchanged_bits);
-            rice.put_gaps(&runs.changed, k_changed, changed_bits);
+            rice.put_gaps(runs.unchanged(), k_unchanged, unchanged_bits);
+            rice.put_gaps(runs.changed(), k_changed, changed_bits);
             entries.push(MODE_RUNS | (k_unchanged as u8) << 2);
             entries.push(k_changed as u8);
-            put_varint(&mut entries, runs.changed.len() as u64);
+            put_varint(&mut entries, runs.count as u64);
         } else {
             rice.put_gaps(gaps, k, rice_bits);
             entries.push(MODE_RICE | (k as u8) << 2);
