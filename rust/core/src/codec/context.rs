@@ -1568,17 +1568,23 @@ mod tests {
         (old, new)
     }
 
+    /// A chunk of `three_position_modes_chunk` coded: the model, the element
+    /// count, the old and new bytes, the change count and the payload.
+    fn three_position_modes_payload() -> (ContextModel, usize, Vec<u8>, Vec<u8>, usize, Vec<u8>) {
+        let model = ContextModel::for_dtype(DType(Dtype::BF16));
+        let n = 30_000usize;
+        let (old, new) = three_position_modes_chunk(n);
+        let found = super::super::find_changes(&old, &new, 2, ChangeKind::Xor).unwrap();
+        let payload = encode(&old, &new, &found, &model, 1);
+        (model, n, old, new, found.positions.len(), payload)
+    }
+
     /// `three_position_modes_chunk`: each kind of element gets a bucket of
     /// its own and its own position mode, and both decoders give back the
     /// changes exactly.
     #[test]
     fn buckets_code_runs_flags_or_rice_as_their_changes_fall() {
-        let model = ContextModel::for_dtype(DType(Dtype::BF16));
-        let n = 30_000usize;
-        let (old, new) = three_position_modes_chunk(n);
-        let found = super::super::find_changes(&old, &new, 2, ChangeKind::Xor).unwrap();
-        let m = found.positions.len();
-        let payload = encode(&old, &new, &found, &model, 1);
+        let (model, n, old, new, m, payload) = three_position_modes_payload();
         let parsed = parse(&payload, n, m, model.contexts(), "t").unwrap();
         // The three exponents change at very different rates: each gets its own bucket.
         let (runs, flags, rice) = (parsed.buckets.of(100), parsed.buckets.of(110), parsed.buckets.of(120));
@@ -1624,12 +1630,7 @@ mod tests {
     /// with a message, by both decoders.
     #[test]
     fn bad_run_entries_are_refused() {
-        let model = ContextModel::for_dtype(DType(Dtype::BF16));
-        let n = 30_000usize;
-        let (old, new) = three_position_modes_chunk(n);
-        let found = super::super::find_changes(&old, &new, 2, ChangeKind::Xor).unwrap();
-        let m = found.positions.len();
-        let payload = encode(&old, &new, &found, &model, 1);
+        let (model, n, old, _, m, payload) = three_position_modes_payload();
         let entries = entry_offsets(&payload);
         let parsed = parse(&payload, n, m, model.contexts(), "t").unwrap();
         let (i, runs_at) = entries.iter().enumerate().find_map(|(i, e)| e.1.map(|at| (i, at))).expect("a runs entry");
