@@ -1625,6 +1625,33 @@ mod tests {
             .collect()
     }
 
+    /// Each of the first 256 bytes of a payload with all three position
+    /// modes (its bucket table and the start of its position stream)
+    /// flipped (the low bit, all bits), and the payload cut short at each
+    /// of those lengths: each
+    /// decoder returns an error or changes, never panics, and a decode
+    /// that succeeds lists the chunk's change count.
+    #[test]
+    fn damaged_three_mode_payloads_never_panic() {
+        let (model, _, old, _, m, payload) = three_position_modes_payload();
+        let check = |bytes: &[u8]| {
+            for result in [decode(bytes, &old, &model, m as u32, ChangeKind::Xor, "t"), decode_reference(bytes, &old, &model, m as u32, ChangeKind::Xor, "t")] {
+                if let Ok(changes) = result {
+                    assert_eq!(changes.positions.len(), m);
+                }
+            }
+        };
+        let head = payload.len().min(256);
+        for at in 0..head {
+            for flip in [0x01u8, 0xff] {
+                let mut bytes = payload.clone();
+                bytes[at] ^= flip;
+                check(&bytes);
+            }
+            check(&payload[..at]);
+        }
+    }
+
     /// A runs entry whose run count is zero, exceeds its changes or does
     /// not match its lists, and an unknown position mode, are refused
     /// with a message, by both decoders.
