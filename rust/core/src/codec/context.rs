@@ -1616,8 +1616,8 @@ mod tests {
                 pos += 1;
                 let mut runs = None;
                 if payload[code] & 3 == MODE_RUNS {
-                    runs = Some(pos + 1);
-                    pos += 1;
+                    pos += 1; // k_changed
+                    runs = Some(pos);
                     get_varint(payload, &mut pos, 10).unwrap();
                 }
                 (code, runs)
@@ -1628,9 +1628,8 @@ mod tests {
     /// Each of the first 256 bytes of a payload with all three position
     /// modes (its bucket table and the start of its position stream)
     /// flipped (the low bit, all bits), and the payload cut short at each
-    /// of those lengths: each
-    /// decoder returns an error or changes, never panics, and a decode
-    /// that succeeds lists the chunk's change count.
+    /// of those lengths: each decoder returns an error or changes, never
+    /// panics, and a decode that succeeds lists the chunk's change count.
     #[test]
     fn damaged_three_mode_payloads_never_panic() {
         let (model, _, old, _, m, payload) = three_position_modes_payload();
@@ -1678,15 +1677,11 @@ mod tests {
                 assert!(err.contains("bucket entry") || err.contains("runs") || err.contains("position"), "{what}: {err}");
             }
         };
+        // Out of range, refused by the parser; in range but not the
+        // lists' count, refused as they are read or as the changes fail
+        // to add up.
         for count in [0, 1, runs - 1, runs + 1, changes, changes + 1] {
-            let bytes = with_runs(count);
-            if count == 0 || count > changes {
-                refused(&bytes, &format!("{count} runs of {changes} changes"));
-            } else {
-                // The lists then hold other values: refused as they are
-                // read, or as the changes fail to add up.
-                refused(&bytes, &format!("{count} runs for {runs}"));
-            }
+            refused(&with_runs(count), &format!("{count} runs (written: {runs}) of {changes} changes"));
         }
         let mut bytes = payload.clone();
         bytes[entries[i].0] |= 3;
