@@ -173,17 +173,8 @@ pub(super) unsafe fn apply_sparse<const W: i32>(
     let mut i = 0;
     while i < n {
         // The positions are irregular, which the hardware prefetcher does
-        // not follow: ask for the words a few steps ahead, sixteen at once
-        // with no check per prefetch (a loop that checked each took seven
-        // instructions per prefetch) but near the end.
-        if i + PREFETCH_AHEAD + 16 <= n {
-            let ahead = positions.as_ptr().add(i + PREFETCH_AHEAD);
-            for k in 0..16 {
-                _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(*ahead.add(k) as usize * w).cast());
-            }
-        } else {
-            super::prefetch_words(base, w, positions, i + PREFETCH_AHEAD, 16);
-        }
+        // not follow: ask for the words a few steps ahead.
+        super::prefetch_words(base, w, positions, i + PREFETCH_AHEAD, 16);
         let m = lanes(n - i);
         let vp = _mm512_maskz_loadu_epi32(m, positions.as_ptr().add(i).cast());
         if _mm512_mask_cmpgt_epu32_mask(m, vp, vlimit) != 0 {

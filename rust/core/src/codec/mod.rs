@@ -865,9 +865,20 @@ fn prefetch(p: *const u8) {
 /// Prefetch the words of the chunk at `base` (`width` bytes each) at
 /// `positions[from..]`, the first `count` of those there are: changes are
 /// irregular, which the hardware prefetcher does not follow, so the
-/// kernels that load or gather them ask a few steps ahead.
+/// kernels that load or gather them ask a few steps ahead. Where all
+/// `count` are there (all but near a chunk's end), one check covers the
+/// group: a check per prefetch took seven instructions each, and without
+/// them the sparse apply of the training pairs took 0.97-0.99 of the
+/// time, the context apply and encode 0.98-0.99 (paired `ab_timing`, a
+/// Zen 3 host).
 #[inline(always)]
 fn prefetch_words(base: *const u8, width: usize, positions: &[u32], from: usize, count: usize) {
+    if let Some(group) = from.checked_add(count).and_then(|end| positions.get(from..end)) {
+        for &p in group {
+            prefetch(base.wrapping_add(p as usize * width));
+        }
+        return;
+    }
     for &p in positions.get(from..).unwrap_or_default().iter().take(count) {
         prefetch(base.wrapping_add(p as usize * width));
     }
