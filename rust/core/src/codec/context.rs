@@ -1200,7 +1200,7 @@ fn decode_words<T: Word>(
         #[cfg(target_arch = "x86_64")]
         Expansion::Blocks => {
             let listed: Vec<usize> = parsed.listed.iter().map(|l| l.bucket).collect();
-            let mut positions = vec![0u32; m + super::x86::SPARE];
+            let mut positions = Vec::with_capacity(m + super::x86::SPARE);
             super::x86::expand::<T>(old, model, buckets, &listed, &maps, &mut positions);
             positions
         }
@@ -1442,7 +1442,7 @@ mod tests {
                 let listed: Vec<usize> = parsed.listed.iter().map(|l| l.bucket).collect();
                 let buckets = &parsed.buckets;
                 let run = |kernel| {
-                    let mut positions = vec![0u32; m + x86::SPARE];
+                    let mut positions = Vec::with_capacity(m + x86::SPARE);
                     match width {
                         1 => x86::expand_with::<u8>(kernel, &old, &model, buckets, &listed, &maps, &mut positions),
                         2 => x86::expand_with::<u16>(kernel, &old, &model, buckets, &listed, &maps, &mut positions),
