@@ -1029,7 +1029,88 @@ fn positions_from_gaps(gaps: &[u8], overflow: &[u8], n: usize, context: &str) ->
         #[allow(unsafe_code)]
         return unsafe { positions_from_gaps_avx512(gaps, overflow, n, context) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if avx2_available() {
+        // Safety: the CPU supports AVX2 (detected).
+        #[allow(unsafe_code)]
+        return unsafe { positions_from_gaps_avx2(gaps, overflow, n, context) };
+    }
     positions_with(gaps, overflow, n, context, prefix_block_portable, prefix_block_portable)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[allow(unsafe_code)]
+unsafe fn positions_from_gaps_avx2(gaps: &[u8], overflow: &[u8], n: usize, context: &str) -> Result<Vec<u32>> {
+    // Safety (both closures): they run only inside this AVX2 function.
+    #[allow(unsafe_code)]
+    let bytes = |g: &[u8; GAP_BLOCK], next, n, out: &mut [u32]| unsafe { prefix_bytes_avx2(g, next, n, out) };
+    #[allow(unsafe_code)]
+    let words = |g: &[u32; GAP_BLOCK], next, n, out: &mut [u32]| unsafe { prefix_words_avx2(g, next, n, out) };
+    positions_with(gaps, overflow, n, context, bytes, words)
+}
+
+/// The inclusive prefix sum of `gap + 1` over eight 32-bit gaps.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(unsafe_code)]
+unsafe fn gap_prefix8(x: std::arch::x86_64::__m256i) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let x = _mm256_add_epi32(x, _mm256_set1_epi32(1));
+    // Within each 128-bit half, then the low half's total into the high.
+    let x = _mm256_add_epi32(x, _mm256_slli_si256::<4>(x));
+    let x = _mm256_add_epi32(x, _mm256_slli_si256::<8>(x));
+    let low_total = _mm256_permutevar8x32_epi32(x, _mm256_set1_epi32(3));
+    _mm256_add_epi32(x, _mm256_blend_epi32::<0xF0>(_mm256_setzero_si256(), low_total))
+}
+
+/// Store a block's positions after `next` from the prefix sums of its
+/// four quarters (`gap_prefix8`), each carried over the ones before it.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(unsafe_code)]
+unsafe fn store_block_positions8(quarters: [std::arch::x86_64::__m256i; 4], next: u64, out: &mut [u32]) {
+    use std::arch::x86_64::*;
+    let out = &mut out[..GAP_BLOCK];
+    // Positions are below 2^32 (u32); only their low bits enter a lane.
+    let mut before = _mm256_set1_epi32((next as u32).wrapping_sub(1) as i32);
+    for (k, quarter) in quarters.into_iter().enumerate() {
+        _mm256_storeu_si256(out.as_mut_ptr().add(8 * k).cast(), _mm256_add_epi32(quarter, before));
+        before = _mm256_add_epi32(before, _mm256_permutevar8x32_epi32(quarter, _mm256_set1_epi32(7)));
+    }
+}
+
+/// `prefix_bytes_avx512` with AVX2: four quarters of eight lanes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[allow(unsafe_code)]
+unsafe fn prefix_bytes_avx2(g: &[u8; GAP_BLOCK], next: u64, n: u64, out: &mut [u32]) -> Option<u64> {
+    use std::arch::x86_64::*;
+    let quarters: [__m256i; 4] = std::array::from_fn(|k| gap_prefix8(_mm256_cvtepu8_epi32(_mm_loadl_epi64(g.as_ptr().add(8 * k).cast()))));
+    // At most 32 * 256: the block's total fits a lane.
+    let total: u32 = quarters.iter().map(|&q| _mm256_extract_epi32::<7>(q) as u32).sum();
+    let after = next + u64::from(total);
+    if after > n {
+        return None;
+    }
+    store_block_positions8(quarters, next, out);
+    Some(after)
+}
+
+/// `prefix_words_avx512` with AVX2: the block's total in 64 bits first,
+/// then only a block that stays below `n` summed in 32-bit lanes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[allow(unsafe_code)]
+unsafe fn prefix_words_avx2(g: &[u32; GAP_BLOCK], next: u64, n: u64, out: &mut [u32]) -> Option<u64> {
+    use std::arch::x86_64::*;
+    let total: u64 = g.iter().map(|&gap| u64::from(gap) + 1).sum();
+    if next + total > n {
+        return None;
+    }
+    let quarters: [__m256i; 4] = std::array::from_fn(|k| gap_prefix8(_mm256_loadu_si256(g.as_ptr().add(8 * k).cast())));
+    store_block_positions8(quarters, next, out);
+    Some(next + total)
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -154,21 +154,36 @@ pub fn put_mostly_zero(out: &mut Vec<u8>, data: &[u8], zstd_level: i32) {
 /// Append `data` as a `NONZERO` stream (it holds `nonzero` nonzero bytes);
 /// returns how many runs of nonzero bytes it has.
 fn put_nonzero(out: &mut Vec<u8>, data: &[u8], nonzero: usize) -> usize {
-    out.reserve(2 * nonzero + 24);
     out.push(NONZERO);
     put_varint(out, data.len() as u64);
     put_varint(out, nonzero as u64);
-    let mut values = Vec::with_capacity(nonzero);
+    // The gaps written by index into room made up front (a push per byte
+    // checked the vector's capacity each time): a byte per nonzero byte,
+    // and at most one escape's varint (up to 10 bytes) per 255 bytes.
+    let start = out.len();
+    out.resize(start + nonzero + 10 * (data.len() / 255 + 1), 0);
+    let gaps = &mut out[start..];
+    let mut values = vec![0u8; nonzero];
+    let (mut written, mut taken) = (0usize, 0usize);
     let mut next = 0usize; // the index after the previous nonzero byte
     let mut runs = 0usize;
     let mut note = |i: usize, b: u8| {
         let gap = i - next;
-        out.push(gap.min(255) as u8);
+        gaps[written] = gap.min(255) as u8;
+        written += 1;
         if gap >= 255 {
-            put_varint(out, (gap - 255) as u64);
+            let mut more = (gap - 255) as u64;
+            while more >= 0x80 {
+                gaps[written] = (more as u8) | 0x80;
+                written += 1;
+                more >>= 7;
+            }
+            gaps[written] = more as u8;
+            written += 1;
         }
         runs += usize::from(gap > 0 || i == 0);
-        values.push(b);
+        values[taken] = b;
+        taken += 1;
         next = i + 1;
     };
     // 64 bytes at a time: most are zero.
@@ -182,6 +197,8 @@ fn put_nonzero(out: &mut Vec<u8>, data: &[u8], nonzero: usize) -> usize {
     for (i, &b) in data.iter().enumerate().skip(whole).filter(|(_, &b)| b != 0) {
         note(i, b);
     }
+    debug_assert_eq!(taken, nonzero, "the caller counted the nonzero bytes");
+    out.truncate(start + written);
     out.extend_from_slice(&values);
     runs
 }
@@ -221,6 +238,15 @@ fn for_each_nonzero_block(data: &[u8], mut visit: impl FnMut(usize, u64)) -> usi
         };
         return whole;
     }
+    #[cfg(target_arch = "x86_64")]
+    if super::avx2_available() {
+        // Safety: the CPU has AVX2 (checked just above).
+        #[allow(unsafe_code)]
+        unsafe {
+            nonzero_blocks_avx2(&data[..whole], &mut visit)
+        };
+        return whole;
+    }
     for (b, block) in data[..whole].chunks_exact(64).enumerate() {
         let mask = nonzero_mask_portable(block);
         if mask != 0 {
@@ -242,6 +268,25 @@ unsafe fn nonzero_blocks_avx512(data: &[u8], visit: &mut impl FnMut(usize, u64))
     for at in (0..data.len()).step_by(64) {
         let v = _mm512_loadu_si512(data.as_ptr().add(at).cast());
         let mask = _mm512_test_epi8_mask(v, v);
+        if mask != 0 {
+            visit(at, mask);
+        }
+    }
+}
+
+/// `nonzero_blocks_avx512` with AVX2: two compares with zero per block.
+///
+/// # Safety
+/// The CPU has AVX2; `data.len()` is a multiple of 64.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2")]
+unsafe fn nonzero_blocks_avx2(data: &[u8], visit: &mut impl FnMut(usize, u64)) {
+    use std::arch::x86_64::{_mm256_cmpeq_epi8, _mm256_loadu_si256, _mm256_movemask_epi8, _mm256_setzero_si256};
+    let zero = _mm256_setzero_si256();
+    for at in (0..data.len()).step_by(64) {
+        let zeros = |half: usize| _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_loadu_si256(data.as_ptr().add(at + 32 * half).cast()), zero)) as u32;
+        let mask = !(u64::from(zeros(0)) | (u64::from(zeros(1)) << 32));
         if mask != 0 {
             visit(at, mask);
         }

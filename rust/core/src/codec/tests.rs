@@ -693,41 +693,58 @@ fn vector_and_portable_gap_decoding_agree() {
             assert!(p.windows(2).all(|w| w[0] < w[1]) && p.last().is_none_or(|&l| (l as usize) < n));
         }
     }
+    // Large starting offsets; whole gaps (escapes replaced) up to 2^32 in
+    // all, the chunk ending at, just short of and well short of the
+    // block's end; each vector kernel this CPU runs against the portable
+    // block.
+    type Words = unsafe fn(&[u32; GAP_BLOCK], u64, u64, &mut [u32]) -> Option<u64>;
+    type Bytes = unsafe fn(&[u8; GAP_BLOCK], u64, u64, &mut [u32]) -> Option<u64>;
+    #[allow(unused_mut)]
+    let mut kernels: Vec<(&str, Words, Bytes)> = Vec::new();
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // Large starting offsets; whole gaps (escapes replaced) up to 2^32
-        // in all, the chunk ending at, just short of and well short of the
-        // block's end.
-        let mut g = [254u32; GAP_BLOCK];
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            kernels.push(("avx512", super::prefix_words_avx512, super::prefix_bytes_avx512));
+        }
+        if super::avx2_available() {
+            kernels.push(("avx2", super::prefix_words_avx2, super::prefix_bytes_avx2));
+        }
+    }
+    for (name, words, bytes_kernel) in kernels {
         for start in [0u64, 1, 70_000, (1 << 31) - 9000] {
-            for (big, cut) in [(254, 0), (1 << 20, 0), ((1 << 31) + 7, 0), (1 << 20, 1), (1 << 20, 1000)] {
-                g[5] = big;
+            for (at, big, cut) in [(5, 254, 0), (5, 1 << 20, 0), (5, (1 << 31) + 7, 0), (5, 1 << 20, 1), (5, 1 << 20, 1000), (20, 1 << 20, 0), (31, 1 << 20, 0)] {
+                let mut g = [254u32; GAP_BLOCK];
+                g[at] = big;
                 let total: u64 = g.iter().map(|&x| u64::from(x) + 1).sum();
                 let n = (start + total).min(1 << 32) - cut;
                 let (mut a, mut b) = ([7u32; GAP_BLOCK], [7u32; GAP_BLOCK]);
-                // Safety: AVX-512 F detected above.
+                // Safety: the kernel's features were detected above.
                 #[allow(unsafe_code)]
-                let nb = unsafe { super::prefix_words_avx512(&g, start, n, &mut b) };
+                let nb = unsafe { words(&g, start, n, &mut b) };
                 let na = prefix_block_portable(&g, start, n, &mut a);
-                assert_eq!(na, nb, "start {start} big {big} cut {cut}");
+                assert_eq!(na, nb, "{name}: start {start} big {big} at {at} cut {cut}");
                 assert_eq!(na.is_some(), start + total <= n);
                 if na.is_some() {
-                    assert_eq!(a, b);
+                    assert_eq!(a, b, "{name}: start {start} big {big} at {at}");
                     assert_eq!(u64::from(a[GAP_BLOCK - 1]) + 1, start + total);
                 }
             }
-            // Gap bytes, every one the largest without an escape.
-            let bytes = [254u8; GAP_BLOCK];
-            for cut in [0, 1] {
-                let n = start + 255 * GAP_BLOCK as u64 - cut;
-                let (mut a, mut b) = ([7u32; GAP_BLOCK], [7u32; GAP_BLOCK]);
-                // Safety: AVX-512 F detected above.
-                #[allow(unsafe_code)]
-                let nb = unsafe { super::prefix_bytes_avx512(&bytes, start, n, &mut b) };
-                assert_eq!(prefix_block_portable(&bytes, start, n, &mut a), nb, "start {start} cut {cut}");
-                assert_eq!(nb.is_some(), cut == 0);
-                if nb.is_some() {
-                    assert_eq!(a, b);
+            // Gap bytes: every one the largest without an escape, then
+            // irregular ones.
+            let irregular: [u8; GAP_BLOCK] = std::array::from_fn(|i| (i * 37 % 251) as u8);
+            for bytes in [[254u8; GAP_BLOCK], irregular] {
+                let total: u64 = bytes.iter().map(|&x| u64::from(x) + 1).sum();
+                for cut in [0, 1] {
+                    let n = start + total - cut;
+                    let (mut a, mut b) = ([7u32; GAP_BLOCK], [7u32; GAP_BLOCK]);
+                    // Safety: the kernel's features were detected above.
+                    #[allow(unsafe_code)]
+                    let nb = unsafe { bytes_kernel(&bytes, start, n, &mut b) };
+                    assert_eq!(prefix_block_portable(&bytes, start, n, &mut a), nb, "{name}: start {start} cut {cut}");
+                    assert_eq!(nb.is_some(), cut == 0);
+                    if nb.is_some() {
+                        assert_eq!(a, b, "{name}: start {start}");
+                    }
                 }
             }
         }
