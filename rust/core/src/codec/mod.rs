@@ -338,6 +338,27 @@ fn position_gaps(positions: &[u32]) -> Vec<u32> {
 
 /// `position_gaps` appended to `gaps`.
 fn fill_position_gaps(positions: &[u32], gaps: &mut Vec<u32>) {
+    #[cfg(target_arch = "x86_64")]
+    if avx2_available() {
+        // Safety: the CPU supports AVX2 (checked just above).
+        #[allow(unsafe_code)]
+        return unsafe { fill_position_gaps_avx2(positions, gaps) };
+    }
+    fill_position_gaps_any(positions, gaps);
+}
+
+/// `fill_position_gaps_any` compiled for AVX2, where the compiler
+/// vectorises it eight lanes wide (the free diff at fp32m 12->15 and
+/// 10->15 0.985-0.99 of the time, paired; the one-step pairs the same).
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2")]
+unsafe fn fill_position_gaps_avx2(positions: &[u32], gaps: &mut Vec<u32>) {
+    fill_position_gaps_any(positions, gaps);
+}
+
+#[inline(always)]
+fn fill_position_gaps_any(positions: &[u32], gaps: &mut Vec<u32>) {
     gaps.reserve(positions.len());
     gaps.extend(positions.first());
     // Independent differences of neighbours (the compiler vectorises them).
