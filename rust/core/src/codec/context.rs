@@ -1412,6 +1412,52 @@ mod tests {
 
     #[cfg(target_arch = "x86_64")]
     #[test]
+    fn expansion_kernels_take_any_number_of_listed_buckets() {
+        use super::super::x86;
+        // Rank bitmaps built by hand for 1 to 16 listed buckets (the
+        // encoder lists at most five; the kernels keep up to five cursors
+        // in registers and take more in a loop), random flags over each
+        // bucket's elements, every kernel this CPU runs held to the
+        // reference loop.
+        let kernels = x86::kernels_here();
+        let mut next = super::super::tests::xorshift(0x0b5e_55ed_0000_0016);
+        let model = ContextModel::for_dtype(DType(Dtype::BF16));
+        let contexts = model.contexts();
+        let bounds: Vec<usize> = (1..=MAX_BOUNDS).map(|i| i * contexts / (MAX_BOUNDS + 1)).collect();
+        let buckets = Buckets::new(bounds, contexts);
+        for n in [100usize, 4099] {
+            // Random words: every exponent, so every bucket has members.
+            let old: Vec<u8> = (0..2 * n).map(|_| next() as u8).collect();
+            let mut members = vec![0u64; buckets.len()];
+            for word in old.chunks_exact(2) {
+                members[buckets.of(model.context(read_word(word)))] += 1;
+            }
+            for listed_count in [1usize, 2, 3, 4, 5, 6, 9, 16] {
+                let listed: Vec<usize> = (0..buckets.len()).rev().take(listed_count).collect();
+                let mut maps = RankBitmaps { words: Vec::new(), base: vec![0; buckets.len()], limit: vec![0; buckets.len()] };
+                for &c in &listed {
+                    let base = maps.words.len();
+                    maps.base[c] = base;
+                    maps.limit[c] = members[c];
+                    maps.words.extend((0..members[c].div_ceil(64)).map(|_| next() & next() & next()));
+                    if !members[c].is_multiple_of(64) {
+                        *maps.words.last_mut().expect("a word") &= (1u64 << (members[c] % 64)) - 1;
+                    }
+                    maps.words.resize(maps.words.len() + 2, 0);
+                }
+                let want = expand_reference::<u16>(&old, &model, &buckets, &maps);
+                assert!(listed_count < 3 || !want.is_empty(), "{listed_count} listed buckets flag nothing");
+                for &kernel in &kernels {
+                    let mut got = Vec::with_capacity(want.len() + x86::SPARE);
+                    x86::expand_with::<u16>(kernel, &old, &model, &buckets, &listed, &maps, &mut got);
+                    assert_eq!(got, want, "{kernel:?}: {n} elements, {listed_count} listed buckets");
+                }
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
     fn expansion_kernels_agree() {
         use super::super::x86;
         // Each kernel this CPU runs is held to the true positions (a CPU
