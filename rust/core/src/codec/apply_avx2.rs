@@ -102,6 +102,8 @@ pub(super) unsafe fn apply_sparse<const W: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::codec::tests::xorshift;
+    use crate::digest::DigestMoves;
 
     /// A change past the chunk's last word panics before the kernel
     /// touches anything, in a group's first lane or its last, and in a
@@ -126,8 +128,6 @@ mod tests {
             assert!(target.iter().all(|&b| b == 0), "len {len}: the target was written before the check");
         }
     }
-    use crate::codec::tests::xorshift;
-    use crate::digest::DigestMoves;
 
     /// The kernel, finished by word-by-word stores, writes what the
     /// word-by-word loop writes and moves the digest as it does, for every

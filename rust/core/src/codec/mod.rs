@@ -1125,13 +1125,10 @@ unsafe fn prefix_bytes_avx2(g: &[u8; GAP_BLOCK], next: u64, n: u64, out: &mut [u
 #[allow(unsafe_code)]
 unsafe fn prefix_words_avx2(g: &[u32; GAP_BLOCK], next: u64, n: u64, out: &mut [u32]) -> Option<u64> {
     use std::arch::x86_64::*;
-    let total: u64 = g.iter().map(|&gap| u64::from(gap) + 1).sum();
-    if next + total > n {
-        return None;
-    }
+    let after = whole_gaps_end(g, next, n)?;
     let quarters: [__m256i; 4] = std::array::from_fn(|k| gap_prefix8(_mm256_loadu_si256(g.as_ptr().add(8 * k).cast())));
     store_block_positions8(quarters, next, out);
-    Some(next + total)
+    Some(after)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -1224,14 +1221,20 @@ unsafe fn prefix_bytes_avx512(g: &[u8; GAP_BLOCK], next: u64, n: u64, out: &mut 
 #[allow(unsafe_code)]
 unsafe fn prefix_words_avx512(g: &[u32; GAP_BLOCK], next: u64, n: u64, out: &mut [u32]) -> Option<u64> {
     use std::arch::x86_64::*;
-    let total: u64 = g.iter().map(|&gap| u64::from(gap) + 1).sum();
-    if next + total > n {
-        return None;
-    }
+    let after = whole_gaps_end(g, next, n)?;
     let low = gap_prefix(_mm512_loadu_si512(g.as_ptr().cast()));
     let high = gap_prefix(_mm512_loadu_si512(g.as_ptr().add(16).cast()));
     store_block_positions(low, high, last_lane(low), next, out);
-    Some(next + total)
+    Some(after)
+}
+
+/// The position after a block of whole gaps from `next`, added up in 64
+/// bits (a gap may be up to 2^32), when it is at most `n`: the vector
+/// kernels then sum the block in 32-bit lanes, where no partial sum wraps.
+#[inline(always)]
+fn whole_gaps_end(g: &[u32; GAP_BLOCK], next: u64, n: u64) -> Option<u64> {
+    let after = next + g.iter().map(|&gap| u64::from(gap) + 1).sum::<u64>();
+    (after <= n).then_some(after)
 }
 
 /// The gap stream decoded a block of `GAP_BLOCK` gaps at a time, each

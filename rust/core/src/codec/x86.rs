@@ -580,7 +580,7 @@ unsafe fn expand_avx2<T: Word, const U: usize>(old: &[u8], walk: &Walk, listed: 
         positions.clear();
         return;
     }
-    let all: Vec<(__m256i, usize, usize)> = cursors(listed, maps).map(|(c, next, end)| (_mm256_set1_epi8(c as i8), next, end)).collect();
+    let mut all: Vec<(__m256i, usize, usize)> = cursors(listed, maps).map(|(c, next, end)| (_mm256_set1_epi8(c as i8), next, end)).collect();
     // Up to five buckets (the encoder lists at most that many) by a loop
     // of known trip count, whose cursors the compiler keeps in registers:
     // the context apply of the training pairs 0.96-0.97 of the time of
@@ -594,21 +594,11 @@ unsafe fn expand_avx2<T: Word, const U: usize>(old: &[u8], walk: &Walk, listed: 
         3 => expand_cursors::<T, U, 3>(old, walk, words, all.try_into().expect("three cursors"), positions),
         4 => expand_cursors::<T, U, 4>(old, walk, words, all.try_into().expect("four cursors"), positions),
         5 => expand_cursors::<T, U, 5>(old, walk, words, all.try_into().expect("five cursors"), positions),
-        _ => expand_cursor_list::<T, U>(old, walk, words, all, positions),
+        _ => expand_blocks_avx2::<T, U>(old, walk, words, &mut all, positions),
     };
     // Safety: each slot below `count` was written (the kernels write every
     // slot from a block's first up to its last change, and more).
     unsafe { positions.set_len(count) };
-}
-
-/// `expand_blocks_avx2` with the cursors in a vector.
-///
-/// # Safety
-/// As for `expand_blocks_avx2`.
-#[allow(unsafe_code)]
-#[inline(always)]
-unsafe fn expand_cursor_list<T: Word, const U: usize>(old: &[u8], walk: &Walk, words: &[u64], mut cursors: Vec<(__m256i, usize, usize)>, positions: &mut Vec<u32>) -> usize {
-    expand_blocks_avx2::<T, U>(old, walk, words, &mut cursors, positions)
 }
 
 /// `expand_blocks_avx2` with `N` cursors in an array (registers).
