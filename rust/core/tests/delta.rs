@@ -157,6 +157,64 @@ fn chunk_spliced_from_another_delta_is_refused() {
     assert!(matches!(err, Error::ForeignChunk { .. }), "{err}");
 }
 
+/// A chunk that passes its checksum but does not decode (its payload cut
+/// short after the checks, as a bug in an encoder could make it) fails the
+/// apply after other chunks were written: those are undone, every bit of
+/// the target is the base's again, and the error names the chunk. For both
+/// change kinds and both modes (each undone its own way).
+#[test]
+fn a_chunk_that_does_not_decode_leaves_the_base_after_others_were_written() {
+    let specs = vec![
+        TensorSpec { name: "a".into(), dtype: DType::from_name("BF16").unwrap(), shape: vec![3000] },
+        TensorSpec { name: "b".into(), dtype: DType::from_name("F32").unwrap(), shape: vec![700] },
+    ];
+    let layout = Layout::new(specs).unwrap();
+    let mut rng = 0x5eed_0000_1234_5678u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    // Weights of a trained layer (small floats) moved by one to three ulps
+    // at every seventh element, which the context mode codes in context.
+    let mut weight = || ((next() % 2000) as f32 / 20000.0 - 0.05).to_bits();
+    let a: Vec<u16> = (0..3000).map(|_| (weight() >> 16) as u16).collect();
+    let b: Vec<u32> = (0..700).map(|_| weight()).collect();
+    let step = |k: usize| if k % 7 == 0 { 1 + (k % 3) as u16 } else { 0 };
+    let old = vec![a.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>(), b.iter().flat_map(|x| x.to_le_bytes()).collect()];
+    let new = vec![
+        a.iter().enumerate().flat_map(|(k, x)| x.wrapping_add(step(k)).to_le_bytes()).collect::<Vec<u8>>(),
+        b.iter().enumerate().flat_map(|(k, x)| x.wrapping_add(u32::from(step(k))).to_le_bytes()).collect(),
+    ];
+    let p = Pair { layout: layout.clone(), old: old.clone(), new };
+    for kind in [ChangeKind::Xor, ChangeKind::Overwrite] {
+        for mode in [Mode::Free, Mode::Context] {
+            let bytes = encode(&p, &DiffOptions { chunk_bytes: 1024, kind, mode, ..Default::default() });
+            let mut delta = read_delta(&bytes).unwrap();
+            assert!(delta.chunks.len() > 4, "{kind:?} {mode:?}: {} chunks", delta.chunks.len());
+            assert!(delta.chunks.iter().all(|c| c.n_changed > 0), "{kind:?} {mode:?}: a chunk without changes");
+            if mode == Mode::Context && kind == ChangeKind::Xor {
+                assert!(delta.chunks.iter().any(|c| c.mode == Mode::Context), "no chunk coded in context");
+            }
+            // The last chunk of the last tensor: every other chunk is
+            // written before it on one thread, and alongside it on more.
+            let last = delta.chunks.iter().enumerate().max_by_key(|(_, c)| (c.tensor, c.start)).unwrap().0;
+            let seq = delta.chunks[last].seq;
+            delta.chunks[last].payload.truncate(1);
+            let mut target = old.clone();
+            let mut views: Vec<&mut [u8]> = target.iter_mut().map(|v| v.as_mut_slice()).collect();
+            let err = apply(&delta, &layout, &mut views).unwrap_err();
+            assert!(err.to_string().contains(&format!("chunk {seq}")), "{kind:?} {mode:?}: {err}");
+            assert!(target == old, "{kind:?} {mode:?}: the target is not its base after the failed apply");
+            // The same delta without the cut applies.
+            let mut target = old.clone();
+            assert!(apply_to(&bytes, &layout, &mut target).is_ok());
+            assert!(target == p.new, "{kind:?} {mode:?}");
+        }
+    }
+}
+
 fn frame_len(b: &[u8]) -> usize {
     9 + u32::from_le_bytes(b[1..5].try_into().unwrap()) as usize
 }
