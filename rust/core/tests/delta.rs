@@ -181,7 +181,7 @@ fn a_chunk_that_does_not_decode_leaves_the_base_after_others_were_written() {
     let mut weight = || ((next() % 2000) as f32 / 20000.0 - 0.05).to_bits();
     let a: Vec<u16> = (0..3000).map(|_| (weight() >> 16) as u16).collect();
     let b: Vec<u32> = (0..700).map(|_| weight()).collect();
-    let step = |k: usize| if k % 7 == 0 { 1 + (k % 3) as u16 } else { 0 };
+    let step = |k: usize| if k.is_multiple_of(7) { 1 + (k % 3) as u16 } else { 0 };
     let old = vec![a.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>(), b.iter().flat_map(|x| x.to_le_bytes()).collect()];
     let new = vec![
         a.iter().enumerate().flat_map(|(k, x)| x.wrapping_add(step(k)).to_le_bytes()).collect::<Vec<u8>>(),
