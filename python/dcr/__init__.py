@@ -134,10 +134,11 @@ def apply_tensors(delta: bytes, tensors: Mapping[str, Any], *, threads: int | No
 
     Refused before any byte changes when the tensors are not the delta's base;
     verified against the delta's target digests afterwards (and rolled back on
-    a mismatch, or when a chunk does not decode). ``base_digests``: the tensors' digests when the caller
-    vouches for them (kept from its last verified version and nothing else
-    wrote the tensors since): the base check then reads no tensor bytes and
-    the target digests are verified from the words the delta writes.
+    a mismatch, or when a chunk does not decode). ``base_digests``: the
+    tensors' digests when the caller vouches for them (kept from its last
+    verified version and nothing else wrote the tensors since): the base check
+    then reads no tensor bytes and the target digests are verified from the
+    words the delta writes.
     ``threads`` as in :func:`diff_tensors`.
     """
     described = _buffers.describe(tensors, writable=True)

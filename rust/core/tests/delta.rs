@@ -12,16 +12,21 @@ struct Pair {
     new: Vec<Vec<u8>>,
 }
 
+/// A xorshift64 generator from `seed` (any value: a zero seed is made odd).
+fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+    let mut rng = seed | 1;
+    move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    }
+}
+
 fn pair() -> impl Strategy<Value = Pair> {
     let tensor = (prop::sample::select(DType::all().collect::<Vec<_>>()), prop::collection::vec(1u64..40, 0..3), 0.0f64..0.3);
     (prop::collection::vec(tensor, 1..6), any::<u64>()).prop_map(|(ts, seed)| {
-        let mut rng = seed | 1;
-        let mut next = move || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng
-        };
+        let mut next = xorshift(seed);
         let specs: Vec<TensorSpec> = ts
             .iter()
             .enumerate()
@@ -169,13 +174,7 @@ fn a_chunk_that_does_not_decode_leaves_the_base_after_others_were_written() {
         TensorSpec { name: "b".into(), dtype: DType::from_name("F32").unwrap(), shape: vec![700] },
     ];
     let layout = Layout::new(specs).unwrap();
-    let mut rng = 0x5eed_0000_1234_5678u64;
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut next = xorshift(0x5eed_0000_1234_5678);
     // Weights of a trained layer (small floats) moved by one to three ulps
     // at every seventh element, which the context mode codes in context.
     let mut weight = || ((next() % 2000) as f32 / 20000.0 - 0.05).to_bits();
