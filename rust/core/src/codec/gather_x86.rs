@@ -198,7 +198,7 @@ pub(super) unsafe fn apply_sparse<const W: i32>(
         };
         if let Ok(group) = <&[u32; 16]>::try_from(&positions[i..(i + 16).min(n)]) {
             // A whole group: sixteen stores, no count checked between them
-            // (2-4 % of the multi-step free apply, paired, an Intel Xeon).
+            // (1-4 % of the multi-step free apply, paired, an Intel Xeon).
             for k in 0..16 {
                 store(group[k], written[k]);
             }

@@ -403,7 +403,7 @@ pub(super) mod scan_gather_avx512 {
     /// several thousand instructions with no load in flight. Measured on
     /// an Intel Xeon host (`ab_timing` with `STAGE=diff`, paired, 64 /
     /// 1024): the diff with cold caches (`COLD=1`) 0.88 at fp32m 10->15
-    /// and synthetic 5 %, 0.92 at 11->12; warm 0.94-0.98 (32: about the
+    /// and synthetic 5 %, 0.92 at 11->12; warm 0.94-0.99 (32: about the
     /// same, 128 and 256: between).
     const STAGE: usize = 64;
     const _: () = assert!(STAGE >= 64 && STAGE.is_multiple_of(16));
