@@ -1,6 +1,7 @@
 //! A/B timing in one process: the apply of the delta from OLD to NEW (or,
-//! with `STAGE=diff` in the environment, the diff), base digests known, one
-//! thread, with `codec::AB_SWITCH` off (A) and on (B) in alternate repeats;
+//! with `STAGE=diff` in the environment, the diff; with `STAGE=digest`, the
+//! full digest pass over OLD, both variants' digests required equal), base
+//! digests known, one thread, with `codec::AB_SWITCH` off (A) and on (B) in alternate repeats;
 //! prints both medians and the median of the paired ratios B/A. Build with
 //! the switch: `cargo run --release -p dcr-core --features ab-switch
 //! --example ab_timing OLD NEW [REPEATS]` (`MODE=context` for that mode).
@@ -51,7 +52,8 @@ fn main() {
     let base = layout.tensor_digests(&ob);
     let mut work: Vec<Vec<u8>> = ob.iter().map(|x| x.to_vec()).collect();
     let mut times = [Vec::new(), Vec::new()];
-    let diff_stage = std::env::var("STAGE").is_ok_and(|s| s == "diff");
+    let stage = std::env::var("STAGE").unwrap_or_default();
+    let mut digests: [Vec<_>; 2] = [Vec::new(), Vec::new()];
     for r in 0..2 * repeats {
         let variant = r % 2;
         codec::AB_SWITCH.store(variant == 1, Ordering::Relaxed);
@@ -61,7 +63,9 @@ fn main() {
         let mut targets: Vec<&mut [u8]> = work.iter_mut().map(|w| &mut w[..]).collect();
         evict_caches();
         let t = Instant::now();
-        if diff_stage {
+        if stage == "digest" {
+            digests[variant] = dcr_core::exec::on_this_thread(|| layout.tensor_digests(&ob));
+        } else if stage == "diff" {
             let mut n = 0usize;
             dcr_core::exec::on_this_thread(|| delta::diff_from(&layout, &ob, &nb, Some(&base), &opts, &mut |f| {
                 n += f.len();
@@ -74,6 +78,7 @@ fn main() {
         }
         times[variant].push(t.elapsed().as_secs_f64() * 1e3);
     }
+    assert_eq!(digests[0], digests[1], "the variants' digests differ");
     let ratios: Vec<f64> = times[1].iter().zip(&times[0]).map(|(b, a)| b / a).collect();
     let med = |v: &[f64]| {
         let mut v = v.to_vec();

@@ -1,7 +1,8 @@
 //! The measurements behind keeping the tensor digest as it is (see
 //! `benches/RESULTS.md`, "Twenty-eighth session"): what a digest move costs
 //! per change with today's definition (four lanes of MurmurHash3's
-//! finaliser) against a per-unit hash of AES rounds, and whether two AES
+//! finaliser, timed through the crate's own `DigestMoves`, whose widest
+//! kernel for this CPU runs) against a per-unit hash of AES rounds, and whether two AES
 //! rounds mix enough. `cargo run --release -p dcr-core --example
 //! digest_designs` on an x86-64 CPU with AVX2 (the VAES rows need VAES).
 //!
@@ -16,33 +17,13 @@ mod x86 {
     use std::collections::HashMap;
     use std::time::Instant;
 
-    const INDEX_MUL: [u32; 4] = [0x9E37_79B1, 0x85EB_CA77, 0xC2B2_AE3D, 0x27D4_EB2F];
-    const LOW_KEYS: [u32; 4] = [0x0123_4567, 0x0234_5678, 0x0345_6789, 0x0456_789A];
+    use dcr_core::digest::{DigestMoves, DigestSum};
 
-    #[inline(always)]
-    unsafe fn fmix(mut x: __m256i) -> __m256i {
-        x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-        x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x85EB_CA6Bu32 as i32));
-        x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 13));
-        x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0xC2B2_AE35u32 as i32));
-        _mm256_xor_si256(x, _mm256_srli_epi32(x, 16))
-    }
-
-    /// Today's moves: four lanes of `fmix32(u ^ (i * A_l + K_l))`, new less old.
-    #[target_feature(enable = "avx2")]
-    unsafe fn fmix_moves(pos: &[u32], old: &[u32], new: &[u32]) -> [__m256i; 4] {
-        let mut acc = [_mm256_setzero_si256(); 4];
-        for i in (0..pos.len()).step_by(8) {
-            let vi = _mm256_loadu_si256(pos.as_ptr().add(i).cast());
-            let vo = _mm256_loadu_si256(old.as_ptr().add(i).cast());
-            let vn = _mm256_loadu_si256(new.as_ptr().add(i).cast());
-            for l in 0..4 {
-                let k = _mm256_add_epi32(_mm256_mullo_epi32(vi, _mm256_set1_epi32(INDEX_MUL[l] as i32)), _mm256_set1_epi32(LOW_KEYS[l] as i32));
-                let d = _mm256_sub_epi32(fmix(_mm256_xor_si256(vn, k)), fmix(_mm256_xor_si256(vo, k)));
-                acc[l] = _mm256_add_epi32(acc[l], d);
-            }
-        }
-        acc
+    /// Today's moves, through the crate's kernel (offsets ascending).
+    fn today_moves(pos: &[u32], old: &[u32], new: &[u32]) -> DigestSum {
+        let mut moves = DigestMoves::new(4);
+        moves.words_at(0, pos, old, new);
+        moves.finish()
     }
 
     fn round_key(r: usize) -> [i32; 4] {
@@ -167,7 +148,8 @@ mod x86 {
         let vaes = is_x86_feature_detected!("vaes");
         let n = 8192usize;
         let mut next = xorshift(12345);
-        let pos: Vec<u32> = (0..n).map(|_| next() as u32 & 0xfffff).collect();
+        let mut pos: Vec<u32> = (0..n).map(|_| next() as u32 & 0xfffff).collect();
+        pos.sort_unstable();
         let old: Vec<u32> = (0..n).map(|_| next() as u32).collect();
         let new: Vec<u32> = (0..n).map(|_| next() as u32).collect();
         let reps = 20_000;
@@ -181,10 +163,12 @@ mod x86 {
         println!("ns per change (both hashes and the sums), {n} changes in L1, three rounds of timings:");
         for _ in 0..3 {
             // Safety: AVX2 and AES-NI were detected above, VAES where used.
-            let today = time(&|| unsafe { std::hint::black_box(fmix_moves(std::hint::black_box(&pos), &old, &new)); });
+            let today = time(&|| {
+                std::hint::black_box(today_moves(std::hint::black_box(&pos), &old, &new));
+            });
             let aesni3 = time(&|| unsafe { std::hint::black_box(aesni_moves::<3>(std::hint::black_box(&pos), &old, &new)); });
             let aesni4 = time(&|| unsafe { std::hint::black_box(aesni_moves::<4>(std::hint::black_box(&pos), &old, &new)); });
-            let mut line = format!("  today (fmix32 x 4 lanes) {today:.3}   AES-NI 128-bit R=3 {aesni3:.3} R=4 {aesni4:.3}");
+            let mut line = format!("  today (fmix32 x 4 lanes, dcr_core) {today:.3}   AES-NI 128-bit R=3 {aesni3:.3} R=4 {aesni4:.3}");
             if vaes {
                 let v: Vec<f64> = vec![
                     time(&|| unsafe { std::hint::black_box(vaes_moves::<1>(std::hint::black_box(&pos), &old, &new)); }),

@@ -5,22 +5,14 @@ use dcr_core::dtype::DType;
 use dcr_core::Error;
 use proptest::prelude::*;
 
+mod common;
+use common::xorshift;
+
 #[derive(Debug)]
 struct Pair {
     layout: Layout,
     old: Vec<Vec<u8>>,
     new: Vec<Vec<u8>>,
-}
-
-/// A xorshift64 generator from `seed` (any value: a zero seed is made odd).
-fn xorshift(seed: u64) -> impl FnMut() -> u64 {
-    let mut rng = seed | 1;
-    move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    }
 }
 
 fn pair() -> impl Strategy<Value = Pair> {

@@ -15,6 +15,9 @@ use dcr_core::journal::sim::{Crash, SimIo};
 use dcr_core::journal::ChunkState;
 use dcr_core::receiver::{self, refit, status, undo_path, MemTarget, RefitOptions, RefitOutcome, TargetCrash};
 
+mod common;
+use common::xorshift;
+
 fn jpath() -> PathBuf {
     PathBuf::from("/data/model.safetensors.dcrj")
 }
@@ -23,16 +26,6 @@ struct Fixture {
     layout: Layout,
     versions: Vec<Vec<Vec<u8>>>,
     deltas: Vec<Delta>,
-}
-
-fn rng(seed: u64) -> impl FnMut() -> u64 {
-    let mut s = seed | 1;
-    move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    }
 }
 
 /// Three versions of a small model (bf16, f32, u8 and a tensor that changes
@@ -54,7 +47,7 @@ fn fixture_mode(kind: ChangeKind, mode: Mode) -> Fixture {
         TensorSpec { name: "d.scale".into(), dtype: DType::from_name("BF16").unwrap(), shape: vec![100] },
     ];
     let layout = Layout::new(specs).unwrap();
-    let mut next = rng(0x5eed);
+    let mut next = xorshift(0x5eed);
     let mut v0: Vec<Vec<u8>> =
         layout.tensors().iter().map(|t| (0..t.storage_bytes().unwrap()).map(|_| next() as u8).collect()).collect();
     if mode == Mode::Context {
@@ -258,7 +251,7 @@ fn repeated_crashes_still_end_bit_exact() {
     for kind in [ChangeKind::Xor, ChangeKind::Overwrite] {
         let f = fixture(kind);
         for seed in 0..24u64 {
-            let mut next = rng(seed * 7919 + 13);
+            let mut next = xorshift(seed * 7919 + 13);
             let io = SimIo::new();
             let mut t = target(&f, 0);
             let mut at = 0;
