@@ -5,7 +5,7 @@
 //! sanitizer this is the check that no payload makes them leave their
 //! buffers.
 //!
-//! Each input is a header of eleven bytes and a body. The header picks the
+//! Each input is a header of twelve bytes (`chunk_input.rs`) and a body. The header picks the
 //! word width, the dtype (so the context model), the mode, the change kind,
 //! the chunk's length and where it starts in its tensor. Then either
 //!
@@ -31,24 +31,12 @@
 #![no_main]
 
 use dcr_core::codec::context::{self, ContextModel};
-use dcr_core::codec::{self, ChangeKind, EncodeOptions, Encoding, Mode, ENCODINGS};
+use dcr_core::codec::{self, EncodeOptions, Mode};
 use dcr_core::digest::partial_digest;
-use dcr_core::dtype::DType;
 use libfuzzer_sys::fuzz_target;
 
-/// The dtypes of each word width, the floats first (the context model
-/// keys on their exponents; integers have one context).
-const DTYPES: [[&str; 2]; 4] = [["F8_E4M3", "U8"], ["BF16", "I16"], ["F32", "I32"], ["F64", "I64"]];
-
-fn xorshift(seed: u64) -> impl FnMut() -> u64 {
-    let mut x = seed | 1;
-    move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    }
-}
+mod chunk_input;
+use chunk_input::{xorshift, Header};
 
 /// Base words like a model's weights: most share a few exponents (the top
 /// byte near that of 0.02), some are anything (NaN payloads, infinities,
@@ -92,52 +80,16 @@ fn new_words(base: &[u8], width: usize, density: u8, seed: u64) -> Vec<u8> {
     new
 }
 
-/// The header's fields (see the module's doc).
-struct Header {
-    width: usize,
-    dtype: DType,
-    context_mode: bool,
-    kind: ChangeKind,
-    encode_first: bool,
-    n: usize,
-    seed: u64,
-    first: u64,
-    density: u8,
-    n_changed: u32,
-    encoding: Encoding,
-}
-
-impl Header {
-    const LEN: usize = 11;
-
-    fn read(h: &[u8; Self::LEN]) -> Header {
-        Header {
-            width: 1 << (h[0] & 3),
-            dtype: DType::from_name(DTYPES[usize::from(h[0] & 3)][usize::from(h[0] >> 2 & 1)]).expect("a dtype"),
-            context_mode: h[0] & 8 != 0,
-            kind: if h[0] & 16 != 0 { ChangeKind::Overwrite } else { ChangeKind::Xor },
-            encode_first: h[0] & 32 != 0,
-            // Up to 65,536 words: chunks of 4096 changes and more code their
-            // steps with tables (the context decoder's vector kernels).
-            n: usize::from(u16::from_le_bytes([h[1], h[2]])) + 1,
-            seed: u64::from(u32::from_le_bytes([h[3], h[4], h[5], h[6]])),
-            first: u64::from(h[7]) << 8,
-            density: h[8],
-            n_changed: u32::from(u16::from_le_bytes([h[8], h[9]])),
-            encoding: ENCODINGS[usize::from(h[10]) % ENCODINGS.len()],
-        }
-    }
-}
-
 fuzz_target!(|data: &[u8]| {
     let Some((head, body)) = data.split_first_chunk::<{ Header::LEN }>() else { return };
     let h = Header::read(head);
-    let model = ContextModel::for_dtype(h.dtype);
+    let (n, width, kind) = (h.n, h.width(), h.kind);
+    let model = ContextModel::for_dtype(h.dtype());
     let (base, payload, n_changed, encoding, expected) = if h.encode_first {
-        let base = base_words(h.n, h.width, h.seed);
-        let new = new_words(&base, h.width, h.density, h.seed);
-        let opts = EncodeOptions { kind: h.kind, zstd_level: 1 };
-        let Some(chunk) = codec::encode_chunk_with_context(&base, &new, h.width, opts, h.context_mode.then_some(&model)).expect("encodes")
+        let base = base_words(n, width, u64::from(h.seed));
+        let new = new_words(&base, width, h.density, u64::from(h.seed));
+        let opts = EncodeOptions { kind, zstd_level: 1 };
+        let Some(chunk) = codec::encode_chunk_with_context(&base, &new, width, opts, h.context_mode.then_some(&model)).expect("encodes")
         else {
             assert_eq!(base, new, "no chunk only when nothing changed");
             return;
@@ -161,11 +113,10 @@ fuzz_target!(|data: &[u8]| {
         let encoding = (chunk.mode == Mode::Free).then_some(chunk.encoding);
         (base, payload, chunk.n_changed, encoding, (!damaged).then_some(new))
     } else {
-        let Some((base, payload)) = body.split_at_checked(h.n * h.width) else { return };
-        (base.to_vec(), payload.to_vec(), h.n_changed, (!h.context_mode).then_some(h.encoding), None)
+        let Some((base, payload)) = body.split_at_checked(n * width) else { return };
+        (base.to_vec(), payload.to_vec(), u32::from(h.n_changed), (!h.context_mode).then_some(h.encoding), None)
     };
 
-    let (n, width, kind) = (h.n, h.width, h.kind);
     let decoded = match encoding {
         Some(encoding) => codec::decode_chunk(&payload, n, width, encoding, n_changed, "fuzz"),
         None => {
@@ -180,9 +131,9 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let mut target = base.clone();
-    let moved = decoded.apply_tracked(&mut target, kind, h.first);
-    let before = partial_digest(&base, width, h.first);
-    let after = partial_digest(&target, width, h.first);
+    let moved = decoded.apply_tracked(&mut target, kind, h.first());
+    let before = partial_digest(&base, width, h.first());
+    let after = partial_digest(&target, width, h.first());
     assert_eq!(before.plus(moved), after, "the apply's digest move differs from the full digests' difference");
     if let Some(new) = expected {
         assert_eq!(target, new, "an undamaged payload did not give the new words");

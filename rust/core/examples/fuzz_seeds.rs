@@ -1,6 +1,6 @@
 //! Valid inputs for the `decode_chunk` fuzz target (`fuzz/fuzz_targets/`)
 //! to start from: one chunk per word width, dtype family, mode, change kind
-//! and change density, each written as the target's eleven header bytes,
+//! and change density, each written as the target's header (`chunk_input.rs`, shared),
 //! the chunk's base words and its payload, so that the fuzzer mutates
 //! payloads every decoder accepts (and the base the context decoder reads).
 //!
@@ -8,24 +8,34 @@
 
 use dcr_core::codec::context::ContextModel;
 use dcr_core::codec::{self, ChangeKind, EncodeOptions, Mode};
-use dcr_core::dtype::DType;
 use std::path::PathBuf;
+
+#[path = "../../../fuzz/fuzz_targets/chunk_input.rs"]
+mod chunk_input;
+use chunk_input::{xorshift, Header};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = PathBuf::from(std::env::args().nth(1).ok_or("usage: fuzz_seeds CORPUS_DIR")?);
     std::fs::create_dir_all(&dir)?;
-    let mut x = 0x2545_F491_4F6C_DD1Du64;
-    let mut next = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
+    let mut next = xorshift(0x2545_F491_4F6C_DD1D);
     let mut written = 0;
-    for (width_code, names) in [["F8_E4M3", "U8"], ["BF16", "I16"], ["F32", "I32"], ["F64", "I64"]].iter().enumerate() {
-        let width = 1usize << width_code;
-        for (int_code, name) in names.iter().enumerate() {
-            let model = ContextModel::for_dtype(DType::from_name(name)?);
+    for width_code in 0..4u8 {
+        for integer in [false, true] {
+            let shape = Header {
+                width_code,
+                integer,
+                context_mode: false,
+                kind: ChangeKind::Xor,
+                encode_first: false,
+                n: 1,
+                seed: 0,
+                first_block: 0,
+                density: 0,
+                n_changed: 0,
+                encoding: codec::Encoding::Raw,
+            };
+            let (width, dtype) = (shape.width(), shape.dtype());
+            let model = ContextModel::for_dtype(dtype);
             // 20,000 words: 4096 changes and more at the higher densities,
             // where the context mode codes its steps with tables.
             for n in [40usize, 700, 4096, 20_000] {
@@ -50,16 +60,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                             let Some(chunk) = codec::encode_chunk_with_context(&base, &new, width, opts, context.then_some(&model))? else {
                                 continue;
                             };
-                            let is_context = chunk.mode == Mode::Context;
-                            let flags = width_code as u8 | (int_code as u8) << 2 | u8::from(is_context) << 3 | u8::from(kind == ChangeKind::Overwrite) << 4;
-                            let mut input = vec![flags];
-                            input.extend_from_slice(&(n as u16 - 1).to_le_bytes());
-                            input.extend_from_slice(&[0; 5]); // seed (unused here) and the chunk's start
-                            input.extend_from_slice(&u16::try_from(chunk.n_changed)?.to_le_bytes());
-                            input.push(chunk.encoding as u8);
+                            let header = Header {
+                                context_mode: chunk.mode == Mode::Context,
+                                kind,
+                                n,
+                                n_changed: u16::try_from(chunk.n_changed)?,
+                                encoding: chunk.encoding,
+                                ..shape
+                            };
+                            let bytes = header.write();
+                            assert_eq!(Header::read(&bytes), header, "the fuzz target reads back what is written");
+                            let mut input = bytes.to_vec();
                             input.extend_from_slice(&base);
                             input.extend_from_slice(&chunk.payload);
-                            let file = format!("seed-{name}-{n}-{per_256}-{}-{}", chunk.mode.name(), kind.name());
+                            let file = format!("seed-{}-{n}-{per_256}-{}-{}", dtype.name(), chunk.mode.name(), kind.name());
                             std::fs::write(dir.join(file), input)?;
                             written += 1;
                         }
