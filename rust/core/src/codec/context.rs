@@ -404,11 +404,18 @@ pub fn encode(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextMo
 
 /// `encode` with the step coding given (tests reach both with any chunk).
 pub(super) fn encode_with(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextModel, level: i32, steps: StepCoding) -> Vec<u8> {
+    encode_edited(old, new, changes, model, level, steps, &|_| {})
+}
+
+/// `encode_with`, with `edit` given each change's context and step before
+/// they are coded: tests forge payloads that no encoder writes (a step
+/// that leaves its element as it was) but whose streams end right.
+fn encode_edited(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextModel, level: i32, steps: StepCoding, edit: &dyn Fn(&mut Survey)) -> Vec<u8> {
     match model.width {
-        1 => encode_words::<u8>(old, new, changes, model, level, steps),
-        2 => encode_words::<u16>(old, new, changes, model, level, steps),
-        4 => encode_words::<u32>(old, new, changes, model, level, steps),
-        _ => encode_words::<u64>(old, new, changes, model, level, steps),
+        1 => encode_words::<u8>(old, new, changes, model, level, steps, edit),
+        2 => encode_words::<u16>(old, new, changes, model, level, steps, edit),
+        4 => encode_words::<u32>(old, new, changes, model, level, steps, edit),
+        _ => encode_words::<u64>(old, new, changes, model, level, steps, edit),
     }
 }
 
@@ -770,13 +777,15 @@ fn coded_flags_estimate(gaps: &[u32], span: u64, after_change: u64) -> f64 {
 /// function of its own once the rank kernels grew, and the context encode
 /// measured 4-8 % slower on the fp32-master pairs.
 #[inline(always)]
-fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextModel, level: i32, steps: StepCoding) -> Vec<u8> {
+fn encode_words<T: Word>(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextModel, level: i32, steps: StepCoding, edit: &dyn Fn(&mut Survey)) -> Vec<u8> {
     let w = T::BYTES;
     let nctx = model.contexts();
     let positions = &changes.positions;
     // Each change's context and ulp magnitude (coded after the flags), and
     // the changes per context, which choose the buckets.
-    let Survey { contexts, magnitudes, signs } = survey::<T>(old, new, positions, &changes.values, model);
+    let mut surveyed = survey::<T>(old, new, positions, &changes.values, model);
+    edit(&mut surveyed);
+    let Survey { contexts, magnitudes, signs } = surveyed;
     let per_context = super::counts(contexts.iter().map(|&c| usize::from(c)), nctx);
     let buckets = choose_buckets::<T>(old, model, &per_context);
     let mut per_bucket = vec![0u32; buckets.len()];
@@ -1809,6 +1818,69 @@ mod tests {
             bad[0] = bad[0] & 0x0f | 2 << 4;
             let err = decode(&bad, &old, &model, m as u32, ChangeKind::Xor, "t").unwrap_err().to_string();
             assert!(err.contains("unknown step coding 2"), "{err}");
+        }
+    }
+
+    /// A step of magnitude 2^(8 W) wraps around to the element's own word:
+    /// no encoder writes one, but a payload can code it with every stream
+    /// ending where it must. Each step decoder refuses it wherever the
+    /// change falls: in the vector kernels' leading groups, in the scalar
+    /// tail after them, and in the adaptively coded steps; both decoders,
+    /// every word width, both change kinds.
+    #[test]
+    fn a_step_that_wraps_to_the_same_word_is_refused() {
+        let mut next = super::super::tests::xorshift(0x51_7cc1_b727_220a);
+        for (dtype, width) in [(Dtype::F8_E4M3, 1usize), (Dtype::BF16, 2), (Dtype::F32, 4), (Dtype::I64, 8)] {
+            let model = ContextModel::for_dtype(DType(dtype));
+            let wrap = u64::MAX >> (64 - 8 * width);
+            for (n, every, coding) in [(30_000usize, 3u64, StepCoding::Tables), (4000, 40, StepCoding::Adaptive)] {
+                let old = float_like_words(&mut next, n, width);
+                let mut new = old.clone();
+                for i in 0..n {
+                    if next().is_multiple_of(every) {
+                        let o = read_word(&old[i * width..][..width]);
+                        let word = model.word_of_ordinal(model.ordinal(o).wrapping_add(1 + next() % 5) & model.word_mask());
+                        new[i * width..][..width].copy_from_slice(&word.to_le_bytes()[..width]);
+                    }
+                }
+                let found = super::super::find_changes(&old, &new, width, ChangeKind::Xor).unwrap();
+                let m = found.positions.len();
+                assert_eq!(StepCoding::for_changes(m), coding, "{m} changes");
+                for kind in [ChangeKind::Xor, ChangeKind::Overwrite] {
+                    // The payload as encoded decodes, so the forged ones
+                    // below differ from it only in the one step.
+                    let payload = encode_with(&old, &new, &found, &model, 1, coding);
+                    let want = super::super::find_changes(&old, &new, width, kind).unwrap();
+                    assert_eq!(decode(&payload, &old, &model, m as u32, kind, "t").unwrap(), want);
+                    // First (a vector kernel's group), in the middle, last
+                    // (the scalar tail).
+                    for j in [0, m / 2 + 5, m - 1] {
+                        let forged = encode_edited(&old, &new, &found, &model, 1, coding, &|s: &mut Survey| s.magnitudes[j] = wrap);
+                        assert_ne!(forged, payload);
+                        for (name, decoder) in [("decode", decode as fn(&[u8], &[u8], &ContextModel, u32, ChangeKind, &str) -> Result<SparseChanges>), ("decode_reference", decode_reference)] {
+                            let Err(err) = decoder(&forged, &old, &model, m as u32, kind, "t") else {
+                                panic!("{name} took a step that wraps, {dtype:?}, {coding:?}, change {j} of {m}");
+                            };
+                            assert!(err.to_string().contains("does not change its element"), "{name}, {dtype:?}, {coding:?}, change {j}: {err}");
+                        }
+                        // Every group kernel this CPU runs, not only the
+                        // one `decode` picks, flags the first change.
+                        #[cfg(target_arch = "x86_64")]
+                        if coding == StepCoding::Tables && width <= 4 && j == 0 {
+                            let parsed = parse(&forged, n, m, model.contexts(), "t").unwrap();
+                            let sections = parsed.tables.as_ref().expect("table-coded steps");
+                            let d = step_tables::Decoder::new(sections, model.contexts(), width, "t").unwrap();
+                            for kernel in step_tables::group_kernels_here(&d) {
+                                let mut d = step_tables::Decoder::new(sections, model.contexts(), width, "t").unwrap();
+                                let mut values = vec![0u64; m];
+                                let xor = kind == ChangeKind::Xor;
+                                let (done, unchanged) = step_tables::decode_leading_groups_with(kernel, &mut d, &old, width, &found.positions, parsed.signs, model.step_model32(), xor, &mut values);
+                                assert!(done > 0 && unchanged, "{kernel:?}, {dtype:?}: {done} changes decoded, the wrapped step not flagged");
+                            }
+                        }
+                    }
+                }
+            }
         }
     }
 }
