@@ -337,8 +337,8 @@ pub struct Delta {
 /// the chunk grid. Returns the chunk's byte range within its tensor.
 pub fn check_chunk(header: &DeltaHeader, chunk: &ChunkFrame) -> Result<std::ops::Range<usize>> {
     if chunk.delta_tag != header.tag() {
-        return Err(Error::ForeignChunk {
-            seq: chunk.seq,
+        return Err(Error::ForeignFrame {
+            frame: format!("chunk {}", chunk.seq),
             expected: format!("{:016x}", header.tag()),
             found: format!("{:016x}", chunk.delta_tag),
         });
@@ -381,7 +381,7 @@ pub fn read_delta(bytes: &[u8]) -> Result<Delta> {
     };
     let header = match next(&mut pos, "the header")? {
         Frame::Header(h) => h,
-        _ => return Err(Error::corrupt("delta", "the first frame is not a header")),
+        other => return Err(first_frame_not_the_header(&other)),
     };
     let mut chunks = Vec::new();
     let mut seen = HashSet::new();
@@ -413,8 +413,8 @@ pub fn read_delta(bytes: &[u8]) -> Result<Delta> {
 
 pub fn check_trailer(header: &DeltaHeader, trailer: &Trailer, chunks_seen: u32) -> Result<()> {
     if trailer.delta_tag != header.tag() {
-        return Err(Error::ForeignChunk {
-            seq: u32::MAX,
+        return Err(Error::ForeignFrame {
+            frame: "the trailer".into(),
             expected: format!("{:016x}", header.tag()),
             found: format!("{:016x}", trailer.delta_tag),
         });
@@ -423,10 +423,15 @@ pub fn check_trailer(header: &DeltaHeader, trailer: &Trailer, chunks_seen: u32) 
         return Err(Error::Incomplete { detail: format!("the trailer counts {} chunks, {chunks_seen} arrived", trailer.n_chunks) });
     }
     if trailer.tensor_digests.len() != header.layout.len() {
-        return Err(Error::corrupt("trailer", "tensor digest count differs from the tensor table"));
+        let (found, expected) = (trailer.tensor_digests.len(), header.layout.len());
+        return Err(Error::corrupt("trailer", format!("{found} tensor digests where the tensor table has {expected} tensors")));
     }
-    if header.layout.checkpoint_digest(&trailer.tensor_digests) != header.target_digest {
-        return Err(Error::corrupt("trailer", "tensor digests do not hash to the header's target digest"));
+    let found = header.layout.checkpoint_digest(&trailer.tensor_digests);
+    if found != header.target_digest {
+        return Err(Error::corrupt(
+            "trailer",
+            format!("its tensor digests hash to {}, not to the header's target digest {}", digest_hex(&found), digest_hex(&header.target_digest)),
+        ));
     }
     Ok(())
 }
@@ -711,9 +716,19 @@ pub fn read_header(bytes: &[u8]) -> Result<DeltaHeader> {
         .ok_or_else(|| Error::truncated("preamble", format::PREAMBLE_LEN as u64, bytes.len() as u64))?;
     match format::parse_frame(&bytes[pre..])? {
         Some((Frame::Header(h), _)) => Ok(h),
-        Some(_) => Err(Error::corrupt("delta", "the first frame is not a header")),
+        Some((other, _)) => Err(first_frame_not_the_header(&other)),
         None => Err(Error::Incomplete { detail: "the delta ends inside the header".into() }),
     }
+}
+
+/// The error for a delta that starts with `frame` where its header belongs.
+fn first_frame_not_the_header(frame: &Frame) -> Error {
+    let found = match frame {
+        Frame::Chunk(c) => format!("chunk {}", c.seq),
+        Frame::Trailer(_) => "the trailer".into(),
+        Frame::Header(_) => "a header".into(),
+    };
+    Error::corrupt("delta", format!("the first frame is {found}, not the header"))
 }
 
 /// The header of a transport's header blob (preamble + header frame).

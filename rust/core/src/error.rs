@@ -49,8 +49,9 @@ pub enum Error {
     #[error("corrupt delta: {context}: {detail}; fetch it again from the sender")]
     Corrupt { context: String, detail: String },
 
-    #[error("chunk {seq} belongs to delta {found} but this refit is delta {expected}; a frame from another delta was spliced in: drop it and fetch the right stream")]
-    ForeignChunk { seq: u32, expected: String, found: String },
+    /// A chunk or trailer frame whose delta tag is not the header's.
+    #[error("{frame} belongs to delta {found} but this refit is delta {expected}; a frame from another delta was spliced in: drop it and fetch the right stream")]
+    ForeignFrame { frame: String, expected: String, found: String },
 
     #[error("chunk {seq} was already applied; applying an XOR twice would undo it, so the replay is refused")]
     DuplicateChunk { seq: u32 },

@@ -151,7 +151,7 @@ fn chunk_spliced_from_another_delta_is_refused() {
     spliced.extend_from_slice(&db[ha..ha + cb]);
     spliced.extend_from_slice(&da[ha + ca..]);
     let err = read_delta(&spliced).unwrap_err();
-    assert!(matches!(err, Error::ForeignChunk { .. }), "{err}");
+    assert!(matches!(err, Error::ForeignFrame { .. }), "{err}");
 }
 
 /// A chunk that passes its checksum but does not decode (its payload cut
@@ -322,4 +322,115 @@ fn stream_applier_applies_frame_by_frame_and_rolls_back() {
     let mut t = new.clone();
     let views: Vec<&mut [u8]> = t.iter_mut().map(|v| v.as_mut_slice()).collect();
     assert!(StreamApplier::begin(header, &layout, views).unwrap().is_none());
+}
+
+/// A delta cut into its preamble and frames, to be put back together in
+/// another order (frames as written, checksums intact).
+fn frames_of(bytes: &[u8]) -> (Vec<u8>, Vec<Vec<u8>>) {
+    let mut pos = dcr_core::format::PREAMBLE_LEN;
+    let mut frames = Vec::new();
+    while pos < bytes.len() {
+        let len = frame_len(&bytes[pos..]);
+        frames.push(bytes[pos..pos + len].to_vec());
+        pos += len;
+    }
+    (bytes[..dcr_core::format::PREAMBLE_LEN].to_vec(), frames)
+}
+
+fn joined(preamble: &[u8], frames: &[Vec<u8>]) -> Vec<u8> {
+    let mut out = preamble.to_vec();
+    frames.iter().for_each(|f| out.extend_from_slice(f));
+    out
+}
+
+/// Frames that each pass their checksum, put together wrongly (a chunk
+/// replayed, reordered or lost, a frame from another delta, a trailer
+/// re-framed with other digests, the stream cut), are each refused with
+/// the error that names what was expected and what was found, and the
+/// target is left as it was; the frames in their order still apply.
+#[test]
+fn frames_put_together_wrongly_are_refused_by_name() {
+    use dcr_core::format::{parse_frame, Frame};
+    let specs = vec![
+        TensorSpec { name: "a".into(), dtype: DType::from_name("BF16").unwrap(), shape: vec![3000] },
+        TensorSpec { name: "b".into(), dtype: DType::from_name("F32").unwrap(), shape: vec![700] },
+    ];
+    let layout = Layout::new(specs).unwrap();
+    let mut next = xorshift(0xf4a3_e5d1_0b2c_9987);
+    let old: Vec<Vec<u8>> = [6000usize, 2800].iter().map(|&n| (0..n).map(|_| next() as u8).collect()).collect();
+    let moved = |every: usize| -> Vec<Vec<u8>> {
+        old.iter().map(|t| t.iter().enumerate().map(|(i, &b)| if i % every == 0 { b ^ 0x11 } else { b }).collect()).collect()
+    };
+    let opts = DiffOptions { chunk_bytes: 1024, ..Default::default() };
+    let p = Pair { layout: layout.clone(), old: old.clone(), new: moved(7) };
+    let bytes = encode(&p, &opts);
+    let other = encode(&Pair { layout: layout.clone(), old: old.clone(), new: moved(5) }, &opts);
+    let (preamble, frames) = frames_of(&bytes);
+    let (_, other_frames) = frames_of(&other);
+    let n_chunks = frames.len() - 2;
+    assert_eq!(n_chunks, 9, "chunks of 1024 bytes: 6 of a, 3 of b");
+    let (header, chunks, trailer) = (&frames[0], &frames[1..=n_chunks], &frames[n_chunks + 1]);
+    let with = |parts: &[&[Vec<u8>]]| -> Vec<u8> { joined(&preamble, &parts.concat()) };
+    let reframed_trailer = |edit: &dyn Fn(&mut dcr_core::format::Trailer)| -> Vec<u8> {
+        let Some((Frame::Trailer(mut t), _)) = parse_frame(trailer).unwrap() else { panic!("the last frame is the trailer") };
+        edit(&mut t);
+        t.to_frame()
+    };
+    let reframed_chunk = |i: usize, edit: &dyn Fn(&mut dcr_core::format::ChunkFrame)| -> Vec<u8> {
+        let Some((Frame::Chunk(mut c), _)) = parse_frame(&chunks[i]).unwrap() else { panic!("frame {i} is a chunk") };
+        edit(&mut c);
+        c.to_frame()
+    };
+    let swapped = {
+        let mut c = chunks.to_vec();
+        c.swap(0, 1);
+        c
+    };
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("a chunk replayed", with(&[&frames[..3], &frames[2..]]), "chunk 1 was already applied"),
+        ("two chunks swapped", with(&[&frames[..1], &swapped, &frames[n_chunks + 1..]]), "chunk seq 1 where 0 was expected"),
+        ("a chunk lost", with(&[&frames[..2], &frames[3..]]), "chunk seq 2 where 1 was expected"),
+        ("the last chunk lost", with(&[&frames[..n_chunks], &frames[n_chunks + 1..]]), "the trailer counts 9 chunks, 8 arrived"),
+        ("no trailer", with(&[&frames[..n_chunks + 1]]), "no trailer after 9 chunks"),
+        ("cut inside a frame", bytes[..bytes.len() - trailer.len() - 3].to_vec(), "ends inside a chunk frame"),
+        ("no header", with(&[chunks, std::slice::from_ref(trailer)]), "the first frame is chunk 0, not the header"),
+        ("a second header", with(&[&frames[..3], std::slice::from_ref(header), &frames[3..]]), "a second header frame"),
+        ("the trailer twice", with(&[&frames, std::slice::from_ref(trailer)]), "bytes after the trailer"),
+        ("another delta's chunk", with(&[&frames[..4], &other_frames[4..5], &frames[5..]]), "chunk 3 belongs to delta"),
+        ("another delta's trailer", with(&[&frames[..n_chunks + 1], &other_frames[other_frames.len() - 1..]]), "the trailer belongs to delta"),
+        (
+            "a tensor digest changed",
+            with(&[&frames[..n_chunks + 1], &[reframed_trailer(&|t| t.tensor_digests[1][0] ^= 1)]]),
+            "not to the header's target digest",
+        ),
+        (
+            "a tensor digest left out",
+            with(&[&frames[..n_chunks + 1], &[reframed_trailer(&|t| { t.tensor_digests.pop(); })]]),
+            "1 tensor digests where the tensor table has 2 tensors",
+        ),
+        (
+            "a chunk moved off the grid",
+            with(&[&frames[..2], &[reframed_chunk(1, &|c| c.start += 1)], &frames[3..]]),
+            "range 513+512 is off the chunk grid of tensor a",
+        ),
+        (
+            "a chunk of a tensor the delta lacks",
+            with(&[&frames[..2], &[reframed_chunk(1, &|c| c.tensor = 2)], &frames[3..]]),
+            "tensor index 2 but the delta has 2 tensors",
+        ),
+        ("not a delta", b"PK\x03\x04 a zip file, not a delta".to_vec(), "not a dcr delta"),
+        ("an unknown frame tag", with(&[&frames[..1], &[vec![b'Z', 0, 0, 0, 0, 0, 0, 0, 0]], &frames[1..]]), "unknown frame tag code 90"),
+    ];
+    for (what, bad, expected) in cases {
+        let mut target = old.clone();
+        let err = apply_to(&bad, &layout, &mut target).err().unwrap_or_else(|| panic!("{what}: applied"));
+        assert!(err.to_string().contains(expected), "{what}: {err}");
+        assert!(target == old, "{what}: the target changed");
+    }
+    // The header alone is read the same way (a receiver reads it first).
+    let err = read_header(&with(&[chunks, std::slice::from_ref(trailer)])).unwrap_err();
+    assert!(err.to_string().contains("the first frame is chunk 0, not the header"), "{err}");
+    let mut target = old.clone();
+    apply_to(&joined(&preamble, &frames), &layout, &mut target).unwrap();
+    assert!(target == p.new);
 }

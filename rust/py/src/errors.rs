@@ -30,7 +30,7 @@ pub fn to_py(e: Error) -> PyErr {
             _ => PyOSError::new_err((source.raw_os_error().unwrap_or(0), msg)),
         },
         Error::Checkpoint { .. } => CheckpointError::new_err(msg),
-        Error::BadMagic { .. } | Error::Truncated { .. } | Error::TooLarge { .. } | Error::Checksum { .. } | Error::Corrupt { .. } | Error::ForeignChunk { .. } | Error::DuplicateChunk { .. } => {
+        Error::BadMagic { .. } | Error::Truncated { .. } | Error::TooLarge { .. } | Error::Checksum { .. } | Error::Corrupt { .. } | Error::ForeignFrame { .. } | Error::DuplicateChunk { .. } => {
             CorruptDeltaError::new_err(msg)
         }
         Error::Incomplete { .. } => IncompleteDeltaError::new_err(msg),
