@@ -326,7 +326,10 @@ fn parse_header(body: &[u8]) -> Result<DeltaHeader> {
     let base_version = c.u64()?;
     let target_version = c.u64()?;
     let chunk_bytes = c.u32()?;
-    if chunk_bytes == 0 || chunk_bytes > MAX_CHUNK_BYTES {
+    if chunk_bytes == 0 {
+        return Err(Error::corrupt("header frame", format!("chunk size 0 where 1..={MAX_CHUNK_BYTES} bytes were expected")));
+    }
+    if chunk_bytes > MAX_CHUNK_BYTES {
         return Err(Error::TooLarge { context: "chunk size".into(), len: chunk_bytes.into(), max: MAX_CHUNK_BYTES.into() });
     }
     let n = c.u32()?;
@@ -464,5 +467,68 @@ mod tests {
         huge.extend_from_slice(&body[9..]);
         let e = parse_frame(&chunk_with_body(&huge)).unwrap_err().to_string();
         assert!(e.contains("sequence number") && e.contains("out of range"), "{e}");
+    }
+
+    /// A header frame's body: digests and versions (zeros), `chunk_bytes`,
+    /// `n` and the tensor table as one stream, entries (name bytes, dtype
+    /// code, shape) written as given with `extra` bytes after them.
+    fn header_frame(chunk_bytes: u32, n: u32, entries: &[(&[u8], u8, &[u64])], extra: &[u8]) -> Vec<u8> {
+        let mut b = vec![0u8; 3 * 16 + 8 + 8];
+        b.extend_from_slice(&chunk_bytes.to_le_bytes());
+        b.extend_from_slice(&n.to_le_bytes());
+        let mut table = Vec::new();
+        for (name, code, shape) in entries {
+            table.extend_from_slice(&(name.len() as u16).to_le_bytes());
+            table.extend_from_slice(name);
+            table.push(*code);
+            table.push(shape.len() as u8);
+            shape.iter().for_each(|d| table.extend_from_slice(&d.to_le_bytes()));
+        }
+        table.extend_from_slice(extra);
+        crate::codec::streams::put_stream(&mut b, &table, 3);
+        frame(TAG_HEADER, &b)
+    }
+
+    /// Header and trailer fields past their limits or out of order are
+    /// refused by name, before anything is sized by them; the same frames
+    /// within the limits parse.
+    #[test]
+    fn bad_header_and_trailer_fields_are_refused_by_name() {
+        let bf16 = DType::from_name("BF16").unwrap().code();
+        let (a, b): (&[u8], &[u8]) = (b"a", b"b");
+        let two = [(a, bf16, &[4u64, 2][..]), (b, bf16, &[3u64][..])];
+        let Some((Frame::Header(h), _)) = parse_frame(&header_frame(1024, 2, &two, &[])).unwrap() else { panic!("a header") };
+        assert_eq!(h.layout.len(), 2);
+        let long_name = vec![b'x'; MAX_NAME + 1];
+        let not_utf8: &[u8] = &[0xff, 0xfe];
+        let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+            ("no chunk size", header_frame(0, 2, &two, &[]), "chunk size 0 where 1..=33554432 bytes were expected"),
+            ("chunks too large", header_frame(MAX_CHUNK_BYTES + 1, 2, &two, &[]), "chunk size: length 33554433"),
+            ("too many tensors", header_frame(1024, MAX_TENSORS + 1, &two, &[]), "tensor count: length 4000001"),
+            ("more tensors than entries", header_frame(1024, 3, &two, &[]), "tensor table"),
+            ("bytes after the entries", header_frame(1024, 2, &two, &[0]), "1 unexpected trailing bytes"),
+            ("a name too long", header_frame(1024, 1, &[(&long_name, bf16, &[1])], &[]), "tensor name: length 4097"),
+            ("a name not UTF-8", header_frame(1024, 1, &[(not_utf8, bf16, &[1])], &[]), "tensor name is not UTF-8"),
+            ("too many dimensions", header_frame(1024, 1, &[(a, bf16, &[1; MAX_DIMS + 1])], &[]), "rank of tensor a: length 17"),
+            ("an unknown dtype", header_frame(1024, 1, &[(a, 0xee, &[1])], &[]), "238"),
+            ("names out of order", header_frame(1024, 2, &[two[1], two[0]], &[]), "not in canonical (sorted, unique) order"),
+        ];
+        for (what, frame, expected) in cases {
+            let err = parse_frame(&frame).err().unwrap_or_else(|| panic!("{what}: parsed"));
+            assert!(err.to_string().contains(expected), "{what}: {err}");
+        }
+        // A trailer that claims more digests than its body holds, and one
+        // with bytes after its digests.
+        let trailer = Trailer { delta_tag: 7, n_chunks: 1, n_changed: 1, tensor_digests: vec![[3u8; 16]; 2] }.to_frame();
+        assert!(matches!(parse_frame(&trailer).unwrap(), Some((Frame::Trailer(t), _)) if t.tensor_digests.len() == 2));
+        let body = &trailer[5..trailer.len() - 4];
+        let mut claims = body.to_vec();
+        claims[20..24].copy_from_slice(&1000u32.to_le_bytes());
+        let err = parse_frame(&frame(TAG_TRAILER, &claims)).unwrap_err().to_string();
+        assert!(err.contains("claims 1000 tensor digests in 56 bytes"), "{err}");
+        let mut longer = body.to_vec();
+        longer.push(0);
+        let err = parse_frame(&frame(TAG_TRAILER, &longer)).unwrap_err().to_string();
+        assert!(err.contains("1 unexpected trailing bytes"), "{err}");
     }
 }
