@@ -1794,7 +1794,8 @@ mod tests {
 
     /// The encoder codes the steps of a chunk with many changes with
     /// tables, of one with few adaptively; the payload's first byte says
-    /// which, and a coding this build does not know is refused by number.
+    /// which, and a coding this build does not know is refused by number,
+    /// as are more bucket bounds than the words have contexts.
     #[test]
     fn step_coding_follows_the_change_count_and_unknown_codings_are_refused() {
         let model = ContextModel::for_dtype(DType(Dtype::BF16));
@@ -1818,6 +1819,19 @@ mod tests {
             bad[0] = bad[0] & 0x0f | 2 << 4;
             let err = decode(&bad, &old, &model, m as u32, ChangeKind::Xor, "t").unwrap_err().to_string();
             assert!(err.contains("unknown step coding 2"), "{err}");
+        }
+        // Integers have one context: a bucket bound is refused by count.
+        let model = ContextModel::for_dtype(DType(Dtype::I16));
+        let old: Vec<u8> = (0..4000u16).flat_map(|i| i.wrapping_mul(40_503).to_le_bytes()).collect();
+        let new: Vec<u8> = old.chunks(2).enumerate().flat_map(|(i, w)| u16::from_le_bytes([w[0], w[1]]).wrapping_add(u16::from(i % 9 == 0)).to_le_bytes()).collect();
+        let found = super::super::find_changes(&old, &new, 2, ChangeKind::Xor).unwrap();
+        let m = found.positions.len() as u32;
+        let mut payload = encode(&old, &new, &found, &model, 1);
+        assert_eq!(decode(&payload, &old, &model, m, ChangeKind::Xor, "t").unwrap(), found);
+        payload[0] = payload[0] & 0xf0 | 1;
+        for decoder in [decode, decode_reference] {
+            let err = decoder(&payload, &old, &model, m, ChangeKind::Xor, "t").unwrap_err().to_string();
+            assert!(err.contains("1 bucket bounds (at most 0 for 1 contexts)"), "{err}");
         }
     }
 

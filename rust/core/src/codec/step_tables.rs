@@ -1507,4 +1507,57 @@ mod tests {
         }
         assert!(refused > 200, "only {refused} of 400 damaged sections refused");
     }
+
+    /// Sections re-framed with one part wrong are each refused by what is
+    /// wrong: too many tables of their own, a rANS stream shorter than its
+    /// states or of odd length, raw bits left over or missing, rANS words
+    /// left unread.
+    #[test]
+    fn sections_with_a_part_wrong_are_refused_by_name() {
+        let mut next = xorshift(21);
+        let (nctx, width) = (16, 2);
+        let (contexts, magnitudes) = random_steps(&mut next, 3000, nctx, width);
+        let out = round_trip(&contexts, &magnitudes, nctx, width);
+        let mut pos = 0;
+        let good = sections(&out, &mut pos, "t").unwrap();
+        assert!(!good.raw.is_empty(), "some steps have raw bits");
+        let framed = |tables: &[u8], raw: &[u8], rans: &[u8]| {
+            let mut b = Vec::new();
+            for part in [tables, raw, rans] {
+                put_varint(&mut b, part.len() as u64);
+                b.extend_from_slice(part);
+            }
+            b
+        };
+        let decoded = |bytes: &[u8]| -> Result<()> {
+            let mut pos = 0;
+            let s = sections(bytes, &mut pos, "t")?;
+            let mut d = Decoder::new(&s, nctx, width, "t")?;
+            for (j, &c) in contexts.iter().enumerate() {
+                d.decode(j % LANES, usize::from(c));
+            }
+            d.finish("t")
+        };
+        decoded(&framed(good.tables, good.raw, good.rans)).unwrap();
+        let too_many = {
+            let mut w = BitWriter::new();
+            put_gamma(&mut w, nctx as u64 + 2);
+            w.finish()
+        };
+        let longer_raw = [good.raw, &[0xff]].concat();
+        let longer_rans = [good.rans, &[0, 0]].concat();
+        let unread = format!("{} rANS bytes read of {}", good.rans.len() - 4 * LANES, longer_rans.len() - 4 * LANES);
+        let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+            ("tables for more contexts than there are", framed(&too_many, good.raw, good.rans), "17 contexts with tables of their own (at most 16)"),
+            ("states cut", framed(good.tables, good.raw, &good.rans[..4 * LANES - 2]), "rANS stream shorter than its states or of odd length"),
+            ("an odd rANS stream", framed(good.tables, good.raw, &good.rans[..good.rans.len() - 1]), "rANS stream shorter than its states or of odd length"),
+            ("a raw byte left over", framed(good.tables, &longer_raw, good.rans), "raw bits missing or left over"),
+            ("raw bits missing", framed(good.tables, &good.raw[..good.raw.len() - 1], good.rans), "raw bits missing or left over"),
+            ("rANS words left unread", framed(good.tables, good.raw, &longer_rans), &unread),
+        ];
+        for (what, bytes, expected) in cases {
+            let err = decoded(&bytes).err().unwrap_or_else(|| panic!("{what}: decoded"));
+            assert!(err.to_string().contains(expected), "{what}: {err}");
+        }
+    }
 }

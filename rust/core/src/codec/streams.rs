@@ -506,6 +506,13 @@ mod tests {
         put_varint(&mut huge, u64::MAX);
         huge.push(7);
         assert!(read_back(&huge, 5000).unwrap_err().to_string().contains("beyond"));
+        // More nonzero bytes claimed than the stream has bytes: refused
+        // before anything is sized by the count.
+        let mut claims = vec![NONZERO];
+        put_varint(&mut claims, 4);
+        put_varint(&mut claims, 1 << 40);
+        let err = read_back(&claims, 5000).unwrap_err().to_string();
+        assert!(err.contains("1099511627776 nonzero bytes in a stream of 4"), "{err}");
         // Nonzero bytes in one long run: zstd is tried, and wins.
         let mut runs = vec![0u8; 5000];
         runs[1000..1400].fill(0x3c);

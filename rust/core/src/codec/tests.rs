@@ -310,6 +310,36 @@ fn wrong_changed_count_is_refused() {
     assert_eq!(t, old);
 }
 
+/// Counts no chunk can hold, and a bitmap that marks an element past the
+/// chunk's end, are refused by name before anything is decoded into them.
+#[test]
+fn impossible_counts_and_bitmaps_past_the_end_are_refused_by_name() {
+    let refusal = |payload: &[u8], n: usize, encoding: Encoding, m: u32| match decode_chunk(payload, n, 2, encoding, m, "chunk 2") {
+        Ok(_) => panic!("decoded: {m} changes of {n}, {encoding:?}"),
+        Err(e) => e.to_string(),
+    };
+    let err = refusal(&[], 3, Encoding::Sparse, 4);
+    assert!(err.contains("4 changed elements in a chunk of 3"), "{err}");
+    let err = refusal(&[], 5, Encoding::Bitmap, 0);
+    assert!(err.contains("0 changed elements in a chunk of 5"), "{err}");
+    // 13 elements: bits 0 and 12 (or 13, past the end) of the bitmap set,
+    // then the planes of the two changes' value bytes, the high byte's
+    // first.
+    let bitmap = |high: u8| {
+        let mut payload = Vec::new();
+        streams::put_stored(&mut payload, &[0x01, high]);
+        streams::put_stored(&mut payload, &[7, 7]);
+        streams::put_stored(&mut payload, &[1, 1]);
+        payload
+    };
+    let Ok(inside) = decode_chunk(&bitmap(0x10), 13, 2, Encoding::Bitmap, 2, "chunk 2") else { panic!("bit 12 is inside") };
+    let mut target = vec![0u8; 26];
+    inside.apply(&mut target, ChangeKind::Overwrite);
+    assert_eq!((target[0], target[1], target[24], target[25]), (1, 7, 1, 7));
+    let err = refusal(&bitmap(0x20), 13, Encoding::Bitmap, 2);
+    assert!(err.contains("chunk 2") && err.contains("bitmap marks elements past the chunk end"), "{err}");
+}
+
 // ------------------------------------------------------------ context mode
 
 use crate::dtype::DType;
