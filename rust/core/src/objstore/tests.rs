@@ -204,6 +204,54 @@ fn corrupted_object_is_refused_and_the_target_untouched() {
     assert_eq!(std::fs::read(&target).unwrap(), before);
 }
 
+/// An object rewritten with other bytes of the same size in a valid frame
+/// (what a writer other than the publisher could leave: only its name, the
+/// hash of its bytes, tells), replaced by another object of the delta, cut
+/// short, or missing: each refused by what is wrong with it, naming the
+/// object, and the target left as it was.
+#[test]
+fn swapped_cut_or_missing_objects_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let paths = versions(dir.path(), 1);
+    let rt = runtime();
+    let get = |store: &Store, path: &object_store::path::Path| rt.block_on(async { store.inner.get(path).await.unwrap().bytes().await.unwrap() }).to_vec();
+    type Damage<'a> = &'a dyn Fn(&Store, &object_store::path::Path, &object_store::path::Path);
+    let rewritten: Damage = &|store, victim, _| {
+        let Ok(Some((crate::format::Frame::Chunk(mut c), _))) = crate::format::parse_frame(&get(store, victim)) else { panic!("a chunk object") };
+        c.payload[0] ^= 1;
+        rt.block_on(store.inner.put(victim, PutPayload::from(c.to_frame()))).unwrap();
+    };
+    let swapped: Damage = &|store, victim, other| {
+        let bytes = get(store, other);
+        rt.block_on(store.inner.put(victim, PutPayload::from(bytes))).unwrap();
+    };
+    let cut: Damage = &|store, victim, _| {
+        let bytes = get(store, victim);
+        rt.block_on(store.inner.put(victim, PutPayload::from(bytes[..bytes.len() - 1].to_vec()))).unwrap();
+    };
+    let missing: Damage = &|store, victim, _| rt.block_on(store.inner.delete(victim)).unwrap();
+    for (what, damage, expected) in [
+        ("rewritten", rewritten, "hash to"),
+        ("swapped", swapped, "the manifest says"),
+        ("cut", cut, "the manifest says"),
+        ("missing", missing, "is missing"),
+    ] {
+        let store = memory_store();
+        publish_all(&store, &paths);
+        let m = store.manifest(1).unwrap().unwrap();
+        assert!(m.objects.len() > 3, "{} objects", m.objects.len());
+        let (victim, other) = (store.object_path(1, &m.objects[1].name), store.object_path(1, &m.objects[2].name));
+        // Another object of the same size fails the name check instead.
+        let expected = if what == "swapped" && m.objects[1].size == m.objects[2].size { "hash to" } else { expected };
+        damage(&store, &victim, &other);
+        let target = receiver_copy(dir.path(), &paths[0], "r.safetensors");
+        let before = std::fs::read(&target).unwrap();
+        let e = receive(&store, &target, &ReceiveOptions::default(), &mut |_| {}).unwrap_err().to_string();
+        assert!(e.contains(expected) && e.contains(victim.as_ref()), "{what}: {e}");
+        assert_eq!(std::fs::read(&target).unwrap(), before, "{what}");
+    }
+}
+
 #[test]
 fn target_from_elsewhere_is_refused_with_advice() {
     let dir = tempfile::tempdir().unwrap();
