@@ -1239,6 +1239,21 @@ mod tests {
             .to_string()
             .contains("pre-images of delta"));
         b[full - 1] ^= 1; // damaged last entry: dropped from the index
-        assert!(!scan_undo(Path::new("u"), b, &id).unwrap().entries.contains_key(&5));
+        assert!(!scan_undo(Path::new("u"), b.clone(), &id).unwrap().entries.contains_key(&5));
+        // A header that is not one, of another version, or damaged: refused
+        // by what is wrong, at its offset.
+        let refusal = |bytes: Vec<u8>| scan_undo(Path::new("u"), bytes, &id).unwrap_err().to_string();
+        let e = refusal(b[..UNDO_HEADER_LEN - 1].to_vec());
+        assert!(e.contains("not a dcr pre-image (undo) file") && e.contains("offset 0"), "{e}");
+        let e = refusal([b"PK\x03\x04".as_slice(), &b[4..]].concat());
+        assert!(e.contains("not a dcr pre-image (undo) file"), "{e}");
+        let mut newer = b.clone();
+        newer[8..10].copy_from_slice(&(UNDO_VERSION + 1).to_le_bytes());
+        let e = refusal(newer);
+        assert!(e.contains(&format!("format version {}", UNDO_VERSION + 1)) && e.contains(&format!("reads version {UNDO_VERSION}")), "{e}");
+        let mut flipped = b;
+        flipped[10] ^= 1; // the flags, under the header's checksum
+        let e = refusal(flipped);
+        assert!(e.contains("the header checksum does not match") && e.contains("offset 28"), "{e}");
     }
 }
