@@ -154,6 +154,16 @@ fn chunk_spliced_from_another_delta_is_refused() {
     assert!(matches!(err, Error::ForeignFrame { .. }), "{err}");
 }
 
+/// Two tensors, "a" (3000 bf16) and "b" (700 f32), several chunks each
+/// at small chunk sizes.
+fn bf16_and_f32_layout() -> Layout {
+    Layout::new(vec![
+        TensorSpec { name: "a".into(), dtype: DType::from_name("BF16").unwrap(), shape: vec![3000] },
+        TensorSpec { name: "b".into(), dtype: DType::from_name("F32").unwrap(), shape: vec![700] },
+    ])
+    .unwrap()
+}
+
 /// A chunk that passes its checksum but does not decode (its payload cut
 /// short after the checks, as a bug in an encoder could make it) fails the
 /// apply after other chunks were written: those are undone, every bit of
@@ -161,11 +171,7 @@ fn chunk_spliced_from_another_delta_is_refused() {
 /// change kinds and both modes (each undone its own way).
 #[test]
 fn a_chunk_that_does_not_decode_leaves_the_base_after_others_were_written() {
-    let specs = vec![
-        TensorSpec { name: "a".into(), dtype: DType::from_name("BF16").unwrap(), shape: vec![3000] },
-        TensorSpec { name: "b".into(), dtype: DType::from_name("F32").unwrap(), shape: vec![700] },
-    ];
-    let layout = Layout::new(specs).unwrap();
+    let layout = bf16_and_f32_layout();
     let mut next = xorshift(0x5eed_0000_1234_5678);
     // Weights of a trained layer (small floats) moved by one to three ulps
     // at every seventh element, which the context mode codes in context.
@@ -351,11 +357,7 @@ fn joined(preamble: &[u8], frames: &[Vec<u8>]) -> Vec<u8> {
 #[test]
 fn frames_put_together_wrongly_are_refused_by_name() {
     use dcr_core::format::{parse_frame, Frame};
-    let specs = vec![
-        TensorSpec { name: "a".into(), dtype: DType::from_name("BF16").unwrap(), shape: vec![3000] },
-        TensorSpec { name: "b".into(), dtype: DType::from_name("F32").unwrap(), shape: vec![700] },
-    ];
-    let layout = Layout::new(specs).unwrap();
+    let layout = bf16_and_f32_layout();
     let mut next = xorshift(0xf4a3_e5d1_0b2c_9987);
     let old: Vec<Vec<u8>> = [6000usize, 2800].iter().map(|&n| (0..n).map(|_| next() as u8).collect()).collect();
     let moved = |every: usize| -> Vec<Vec<u8>> {
