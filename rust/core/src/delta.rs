@@ -703,7 +703,7 @@ pub fn split_frames(bytes: &[u8]) -> Result<DeltaBlobs<'_>> {
 fn parse_one(blob: &[u8], what: &str) -> Result<Frame> {
     match format::parse_frame(blob)? {
         Some((f, used)) if used == blob.len() => Ok(f),
-        Some(_) => Err(Error::corrupt(what, "trailing bytes after the frame")),
+        Some((_, used)) => Err(Error::corrupt(what, format!("{} bytes after the frame", blob.len() - used))),
         None => Err(Error::Incomplete { detail: format!("{what} is cut short") }),
     }
 }
@@ -723,12 +723,16 @@ pub fn read_header(bytes: &[u8]) -> Result<DeltaHeader> {
 
 /// The error for a delta that starts with `frame` where its header belongs.
 fn first_frame_not_the_header(frame: &Frame) -> Error {
-    let found = match frame {
+    Error::corrupt("delta", format!("the first frame is {}, not the header", frame_name(frame)))
+}
+
+/// `frame` as an error names it: "chunk 3", "the trailer", "a header".
+fn frame_name(frame: &Frame) -> String {
+    match frame {
         Frame::Chunk(c) => format!("chunk {}", c.seq),
         Frame::Trailer(_) => "the trailer".into(),
         Frame::Header(_) => "a header".into(),
-    };
-    Error::corrupt("delta", format!("the first frame is {found}, not the header"))
+    }
 }
 
 /// The header of a transport's header blob (preamble + header frame).
@@ -737,7 +741,7 @@ pub fn parse_header_blob(blob: &[u8]) -> Result<DeltaHeader> {
         .ok_or_else(|| Error::truncated("preamble", format::PREAMBLE_LEN as u64, blob.len() as u64))?;
     match parse_one(&blob[pre..], "header frame")? {
         Frame::Header(h) => Ok(h),
-        _ => Err(Error::corrupt("header blob", "not a header frame")),
+        other => Err(Error::corrupt("header blob", format!("{} where the header was expected", frame_name(&other)))),
     }
 }
 
@@ -782,7 +786,7 @@ impl<'t> StreamApplier<'t> {
     pub fn chunk(&mut self, blob: &[u8]) -> Result<()> {
         let c = match parse_one(blob, "chunk frame")? {
             Frame::Chunk(c) => c,
-            _ => return Err(Error::corrupt("chunk blob", "not a chunk frame")),
+            other => return Err(Error::corrupt("chunk blob", format!("{} where a chunk frame was expected", frame_name(&other)))),
         };
         let range = check_chunk(&self.header, &c)?;
         if !self.seen.insert(c.seq) {
@@ -805,7 +809,7 @@ impl<'t> StreamApplier<'t> {
         let verdict = (|| {
             let trailer = match parse_one(trailer_blob, "trailer frame")? {
                 Frame::Trailer(t) => t,
-                _ => return Err(Error::corrupt("trailer blob", "not a trailer frame")),
+                other => return Err(Error::corrupt("trailer blob", format!("{} where the trailer was expected", frame_name(&other)))),
             };
             check_trailer(&self.header, &trailer, self.seen.len() as u32)?;
             let bad: Vec<String> = self

@@ -310,6 +310,17 @@ fn stream_applier_applies_frame_by_frame_and_rolls_back() {
             s.chunk(c).unwrap();
         }
         assert!(matches!(s.chunk(chunks[0]).unwrap_err(), Error::DuplicateChunk { .. }));
+        // Blobs of the wrong kind, with bytes after the frame, or cut short:
+        // refused by what they are, nothing applied.
+        let refusal = |s: &mut StreamApplier, blob: &[u8]| s.chunk(blob).unwrap_err().to_string();
+        let e = refusal(&mut s, trailer);
+        assert!(e.contains("the trailer where a chunk frame was expected"), "{e}");
+        let e = refusal(&mut s, &[chunks[1], &[0]].concat());
+        assert!(e.contains("1 bytes after the frame"), "{e}");
+        let e = refusal(&mut s, &chunks[1][..chunks[1].len() - 1]);
+        assert!(e.contains("chunk frame is cut short"), "{e}");
+        let e = dcr_core::delta::parse_header_blob(&[&header[..dcr_core::format::PREAMBLE_LEN], chunks[1]].concat()).unwrap_err().to_string();
+        assert!(e.contains("chunk 1 where the header was expected"), "{e}");
         s.finish(trailer).unwrap();
     }
     assert_eq!(t, new);
@@ -322,6 +333,16 @@ fn stream_applier_applies_frame_by_frame_and_rolls_back() {
             s.chunk(c).unwrap();
         }
         assert!(matches!(s.finish(trailer).unwrap_err(), Error::Incomplete { .. }));
+    }
+    assert_eq!(t, old);
+    // A chunk handed over as the trailer: refused, and the base comes back.
+    let mut t = old.clone();
+    {
+        let views: Vec<&mut [u8]> = t.iter_mut().map(|v| v.as_mut_slice()).collect();
+        let mut s = StreamApplier::begin(header, &layout, views).unwrap().unwrap();
+        s.chunk(chunks[0]).unwrap();
+        let e = s.finish(chunks[1]).unwrap_err().to_string();
+        assert!(e.contains("chunk 1 where the trailer was expected"), "{e}");
     }
     assert_eq!(t, old);
     // Already at the target: nothing to do.
