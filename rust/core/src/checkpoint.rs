@@ -219,14 +219,18 @@ pub fn checkpoint_files(path: &Path) -> Result<CheckpointFiles> {
 fn index_files(index: &Path) -> Result<CheckpointFiles> {
     use std::io::Read;
     let bad = |detail: String| Error::Checkpoint { path: index.into(), detail };
+    let too_large = |len: u64| bad(format!("the index is {len} bytes, over the limit of {MAX_INDEX_BYTES} (a real index is a few MB at most); pass the checkpoint's *.safetensors.index.json"));
+    let file = File::open(index).map_err(|e| Error::io("open", index, e))?;
+    // Refused by its size before any of it is read; the read is bounded
+    // as well (a file that grows, or one with no size, such as a pipe).
+    let len = file.metadata().map_err(|e| Error::io("stat", index, e))?.len();
+    if len > MAX_INDEX_BYTES {
+        return Err(too_large(len));
+    }
     let mut text = String::new();
-    File::open(index)
-        .map_err(|e| Error::io("open", index, e))?
-        .take(MAX_INDEX_BYTES + 1)
-        .read_to_string(&mut text)
-        .map_err(|e| Error::io("read", index, e))?;
+    file.take(MAX_INDEX_BYTES + 1).read_to_string(&mut text).map_err(|e| Error::io("read", index, e))?;
     if text.len() as u64 > MAX_INDEX_BYTES {
-        return Err(bad(format!("the index is larger than {MAX_INDEX_BYTES} bytes")));
+        return Err(too_large(text.len() as u64));
     }
     let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("the index is not JSON: {e}")))?;
     let map = json
@@ -587,6 +591,17 @@ mod tests {
         assert!(refusal(&shards).contains("plain file names"));
         std::fs::write(shards.join("model.safetensors.index.json"), "{\"weight_map\": 3}").unwrap();
         assert!(refusal(&shards).contains("no \"weight_map\" object"));
+        std::fs::write(shards.join("model.safetensors.index.json"), "{\"weight_map\": {}}").unwrap();
+        assert!(refusal(&shards).contains("the index's weight_map is empty"));
+        std::fs::write(shards.join("model.safetensors.index.json"), "{\"weight_map\": {\"a.w\": 7}}").unwrap();
+        assert!(refusal(&shards).contains("weight_map entry \"a.w\" is not a file name"));
+        std::fs::write(shards.join("model.safetensors.index.json"), "{\"weight_map\"").unwrap();
+        assert!(refusal(&shards).contains("the index is not JSON"));
+        // An index larger than any real one is refused before it is parsed
+        // (a sparse file: no disk is spent on it).
+        std::fs::File::create(shards.join("model.safetensors.index.json")).unwrap().set_len(MAX_INDEX_BYTES + 1).unwrap();
+        let msg = refusal(&shards);
+        assert!(msg.contains(&format!("the index is {} bytes, over the limit of {MAX_INDEX_BYTES}", MAX_INDEX_BYTES + 1)), "{msg}");
         std::fs::write(shards.join("other.safetensors.index.json"), "{}").unwrap();
         assert!(refusal(&shards).contains("2 safetensors indexes"));
     }
