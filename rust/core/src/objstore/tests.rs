@@ -252,6 +252,51 @@ fn swapped_cut_or_missing_objects_are_refused_by_name() {
     }
 }
 
+/// A manifest that is not JSON, of another format, naming another version,
+/// with a trailer that is not hex, or too large: each refused by what is
+/// wrong, the target untouched.
+#[test]
+fn tampered_manifests_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let paths = versions(dir.path(), 1);
+    let rt = runtime();
+    type Edit = fn(&mut Manifest);
+    let cases: [(&str, Option<Edit>, &str); 6] = [
+        ("not JSON", None, "not a dcr manifest"),
+        ("another format", Some(|m| m.format = "dcr-objstore-manifest/9".into()), "format \"dcr-objstore-manifest/9\", this dcr reads"),
+        ("another version", Some(|m| m.version = 2), "it names version 2"),
+        ("no objects", Some(|m| m.objects.clear()), "with 0 objects"),
+        ("an odd-length trailer", Some(|m| { m.trailer.pop(); }), "odd-length hex"),
+        ("a trailer not hex", Some(|m| m.trailer.replace_range(0..2, "zz")), "not hex"),
+    ];
+    for (what, edit, expected) in cases {
+        let store = memory_store();
+        publish_all(&store, &paths);
+        let path = store.manifest_path(1);
+        let bytes = match edit {
+            None => b"{\"format\": ".to_vec(),
+            Some(edit) => {
+                let mut m = store.manifest(1).unwrap().unwrap();
+                edit(&mut m);
+                serde_json::to_vec(&m).unwrap()
+            }
+        };
+        rt.block_on(store.inner.put(&path, PutPayload::from(bytes))).unwrap();
+        let target = receiver_copy(dir.path(), &paths[0], "r.safetensors");
+        let before = std::fs::read(&target).unwrap();
+        let e = receive(&store, &target, &ReceiveOptions::default(), &mut |_| {}).unwrap_err().to_string();
+        assert!(e.contains(expected), "{what}: {e}");
+        assert_eq!(std::fs::read(&target).unwrap(), before, "{what}");
+    }
+    // Larger than any manifest: refused by its size.
+    let store = memory_store();
+    publish_all(&store, &paths);
+    rt.block_on(store.inner.put(&store.manifest_path(1), PutPayload::from(vec![b' '; MAX_MANIFEST_BYTES as usize + 1]))).unwrap();
+    let target = receiver_copy(dir.path(), &paths[0], "r.safetensors");
+    let e = receive(&store, &target, &ReceiveOptions::default(), &mut |_| {}).unwrap_err().to_string();
+    assert!(e.contains("exceeds the limit"), "{e}");
+}
+
 #[test]
 fn target_from_elsewhere_is_refused_with_advice() {
     let dir = tempfile::tempdir().unwrap();
