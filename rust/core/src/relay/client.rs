@@ -139,10 +139,10 @@ impl Cursor {
         match self.version {
             Some(v) if v == version && self.have_header && !self.ended => Ok(()),
             _ => Err(Error::protocol(
-                format!(
-                    "{what} of the open version {:?}",
-                    self.version.filter(|_| !self.ended)
-                ),
+                match self.version.filter(|_| !self.ended) {
+                    Some(open) => format!("{what} of version {open}, the one open"),
+                    None => format!("a Header before any {what} (no version is open)"),
+                },
                 format!("{what} of version {version}"),
             )),
         }
@@ -491,5 +491,60 @@ impl ClientConn {
         } else {
             self.pending_after_auth.push(m)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(version: u64) -> Message {
+        Message::Header { version, blob: Bytes::from_static(b"h") }
+    }
+    fn chunk(version: u64, seq: u32) -> Message {
+        Message::Chunk { version, seq, blob: Bytes::from_static(b"c") }
+    }
+    fn end(version: u64, count: u32) -> Message {
+        Message::End { version, count, trailer: Bytes::from_static(b"t") }
+    }
+
+    /// A parent's stream out of order is refused by what was expected and
+    /// what came; resent messages (after a failover) are skipped, not
+    /// applied twice; a follower moves on to the next version after `End`.
+    #[test]
+    fn the_cursor_takes_a_stream_in_order_and_names_what_breaks_it() {
+        let mut c = Cursor::follow(5);
+        for m in [header(5), chunk(5, 0), chunk(5, 1)] {
+            assert!(c.accept(&m).unwrap());
+        }
+        // Resent after a failover: skipped.
+        assert!(!c.accept(&header(5)).unwrap());
+        assert!(!c.accept(&chunk(5, 0)).unwrap());
+        // The subscription a reconnection sends resumes at the next chunk.
+        let Message::Subscribe { resume: Some(r), .. } = c.subscribe_msg() else { panic!("a resume") };
+        assert_eq!((r.version, r.next_seq, r.have_header), (5, 2, true));
+        let breaks = |c: &Cursor, m: Message, expected: &str, found: &str| {
+            let e = c.clone().accept(&m).unwrap_err();
+            assert!(matches!(&e, Error::Protocol { expected: x, found: f } if x == expected && f == found), "{e}");
+        };
+        breaks(&c, chunk(5, 3), "chunk 2 of version 5", "chunk 3");
+        breaks(&c, chunk(6, 0), "Chunk of version 5, the one open", "Chunk of version 6");
+        breaks(&c, header(6), "the rest of version 5", "Header of version 6");
+        breaks(&c, end(5, 3), "End after 2 chunks", "End with count 3");
+        breaks(&c, header(4), "a version >= 5", "Header of version 4");
+        assert!(c.accept(&end(5, 2)).unwrap());
+        // Ended: the follower takes only newer versions, from their header.
+        assert_eq!(c.from_version, 6);
+        breaks(&c, chunk(5, 2), "a Header before any Chunk (no version is open)", "Chunk of version 5");
+        breaks(&c, end(5, 2), "a Header before any End (no version is open)", "End of version 5");
+        breaks(&c, header(5), "a version >= 6", "Header of version 5");
+        assert!(c.accept(&header(7)).unwrap());
+        assert_eq!((c.version, c.next_seq), (Some(7), 0));
+        // A receiver of one version that ended cannot be handed an older one.
+        let mut once = Cursor::once(3);
+        for m in [header(8), end(8, 0)] {
+            assert!(once.accept(&m).unwrap());
+        }
+        breaks(&once, header(4), "a version above 8", "Header of version 4");
     }
 }
