@@ -803,4 +803,37 @@ mod tests {
             Error::Protocol { .. }
         ));
     }
+
+    /// `body` framed as a peer would send it: length, body, crc32c.
+    fn framed(body: &[u8]) -> BytesMut {
+        let mut out = BytesMut::new();
+        out.put_u32_le(body.len() as u32);
+        out.put_slice(body);
+        out.put_u32_le(crc32c::crc32c(body));
+        out
+    }
+
+    /// Messages that pass their checksum but whose fields are wrong (what a
+    /// peer of another version or a buggy one sends) are each refused by
+    /// what was expected and what came.
+    #[test]
+    fn well_framed_messages_with_bad_fields_are_refused_by_name() {
+        let text = |n: usize, byte: u8| [&(n as u16).to_le_bytes()[..], &vec![byte; n]].concat();
+        let hello = |role: u8| [&[kind::HELLO][..], &1u16.to_le_bytes(), &[role, 0], &text(1, b'n'), &[0; NONCE_LEN]].concat();
+        decode(&mut framed(&hello(2)), 1 << 20).unwrap().expect("a valid Hello");
+        let cases: Vec<(&str, BytesMut, &str)> = vec![
+            ("an empty frame", BytesMut::from(&0u32.to_le_bytes()[..]), "found an empty frame"),
+            ("an unknown kind", framed(&[200]), "expected a known message kind, found kind 200"),
+            ("a role out of range", framed(&hello(7)), "expected role 0, 1 or 2, found role 7"),
+            ("a flag out of range", framed(&[&[kind::SUBSCRIBE][..], &5u64.to_le_bytes(), &[2]].concat()), "expected a flag 0 or 1, found 2"),
+            ("a text too long", framed(&[&[kind::ERROR][..], &1u16.to_le_bytes(), &text(MAX_TEXT + 1, b'x')].concat()), "at most 4096 bytes, found 4097 bytes"),
+            ("text not UTF-8", framed(&[&[kind::ERROR][..], &1u16.to_le_bytes(), &text(2, 0xff)].concat()), "expected UTF-8 text, found invalid UTF-8"),
+            ("bytes after a message", framed(&[kind::AUTH_OK, 0, 0]), "found 2 trailing bytes"),
+            ("a message cut short", framed(&[&[kind::ACK][..], &5u64.to_le_bytes()[..4]].concat()), "expected 8 more bytes in a message of kind 20, found 4 bytes"),
+        ];
+        for (what, mut frame, expected) in cases {
+            let e = decode(&mut frame, 1 << 20).unwrap_err().to_string();
+            assert!(e.contains(expected), "{what}: {e}");
+        }
+    }
 }
