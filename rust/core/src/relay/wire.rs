@@ -792,12 +792,8 @@ mod tests {
 
     #[test]
     fn truncated_body_is_protocol_error() {
-        let mut b = BytesMut::new();
         // kind ACK_RECEIVED with only 3 body bytes, valid crc.
-        let body = [kind::ACK_RECEIVED, 1, 2, 3];
-        b.put_u32_le(body.len() as u32);
-        b.put_slice(&body);
-        b.put_u32_le(crc32c::crc32c(&body));
+        let mut b = framed(&[kind::ACK_RECEIVED, 1, 2, 3]);
         assert!(matches!(
             decode(&mut b, 1024).unwrap_err(),
             Error::Protocol { .. }
