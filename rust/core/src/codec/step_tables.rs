@@ -38,7 +38,8 @@ const STATE_LOW: u32 = 1 << 16;
 /// Interleaved states: as many as the 32-bit lanes of an AVX-512 vector,
 /// so that `avx512` decodes sixteen changes per step.
 pub(super) const LANES: usize = 16;
-/// A context with fewer changes uses the shared table.
+/// A context with fewer changes uses the shared table (with more, it may
+/// have one of its own: `keep_paying_tables`).
 const OWN_TABLE_MIN_CHANGES: u64 = 32;
 /// At most this many contexts have a table of their own in one chunk.
 const MAX_OWN_TABLES: usize = 64;
@@ -290,7 +291,11 @@ pub(super) fn encode(contexts: &[u16], magnitudes: &[u64], per_context: &[u64], 
             put_wide(&mut raw, v, bits);
         }
     }
-    let counts = super::counts(symbols.iter().map(|&symbol| symbol as usize), nsymbols);
+    let candidate_counts = super::counts(symbols.iter().map(|&symbol| symbol as usize), nsymbols);
+    // The tables kept, and each candidate's table among them.
+    let (own, table_of_candidate, counts) = keep_paying_tables(&own, &candidate_counts, nclass);
+    let shared = own.len();
+    let ntables = shared + 1;
     let mut tables = BitWriter::new();
     put_gamma(&mut tables, own.len() as u64 + 1);
     let mut next = 0usize;
@@ -302,17 +307,20 @@ pub(super) fn encode(contexts: &[u16], magnitudes: &[u64], per_context: &[u64], 
     put_table(&mut tables, &counts[shared * nclass..]);
     // Frequencies and starts from the counts as the decoder will read them.
     let rounded: Vec<u64> = counts.iter().map(|&k| rounded_count(k)).collect();
-    let mut freqs = vec![0u32; nsymbols];
-    let mut coders = Vec::with_capacity(nsymbols);
+    let mut freqs = vec![0u32; ntables * nclass];
+    let mut table_coders = Vec::with_capacity(ntables * nclass);
     for t in 0..ntables {
         let range = t * nclass..(t + 1) * nclass;
         frequencies(&rounded[range.clone()], &mut freqs[range.clone()]);
         let mut start = 0;
         for &f in &freqs[range] {
-            coders.push(SymbolCoder::new(f, start));
+            table_coders.push(SymbolCoder::new(f, start));
             start += f;
         }
     }
+    // The coders by the symbols as first numbered (a candidate's table and
+    // class), so that the symbols need no second pass.
+    let coders: Vec<SymbolCoder> = (0..nsymbols).map(|symbol| table_coders[table_of_candidate[symbol / nclass] * nclass + symbol % nclass]).collect();
     // rANS, backwards.
     let mut states = [STATE_LOW; LANES];
     let mut words: Vec<u16> = Vec::with_capacity(contexts.len() / 2);
@@ -330,6 +338,90 @@ pub(super) fn encode(contexts: &[u16], magnitudes: &[u64], per_context: &[u64], 
         put_varint(out, section.len() as u64);
         out.extend_from_slice(&section);
     }
+}
+
+/// Which of the candidate contexts (`candidates`, ascending, each with
+/// a table of its own in `counts`, the shared table last) keep their own
+/// table: those whose changes cost fewer bits with it, its description
+/// included, than in the shared table (which their counts then join,
+/// changing its cost too). Candidates are weighed from the fewest changes
+/// up. Returns the contexts kept, each candidate's table (and the shared
+/// table's) among the kept ones, and the kept tables' counts (the shared
+/// table last).
+///
+/// A table of its own is worth its description only when its
+/// context's frequencies differ enough from the shared ones; and each
+/// costs the decoder a table of `SCALE` entries to build and gather from
+/// (measured: a table for every context of 32 changes or more made the
+/// context apply 2-3 % slower than keeping only those of 256 or more, for
+/// 0.1-0.5 % of the payload).
+fn keep_paying_tables(candidates: &[usize], counts: &[u64], nclass: usize) -> (Vec<usize>, Vec<usize>, Vec<u64>) {
+    let shared_at = candidates.len() * nclass;
+    let mut shared: Vec<u64> = counts[shared_at..shared_at + nclass].to_vec();
+    let table = |t: usize| &counts[t * nclass..(t + 1) * nclass];
+    let mut order: Vec<usize> = (0..candidates.len()).collect();
+    order.sort_by_key(|&t| table(t).iter().sum::<u64>());
+    let mut kept = vec![true; candidates.len()];
+    let mut joined = vec![0u64; nclass];
+    for t in order {
+        let own = table(t);
+        for ((j, &s), &k) in joined.iter_mut().zip(&shared).zip(own) {
+            *j = s + k;
+        }
+        let own_bits = coded_bits(own) + table_bits(own) + OWN_TABLE_EXTRA_BITS;
+        let merged_extra = coded_bits(&joined) + table_bits(&joined) - coded_bits(&shared) - table_bits(&shared);
+        if merged_extra <= own_bits {
+            kept[t] = false;
+            std::mem::swap(&mut shared, &mut joined);
+        }
+    }
+    let own: Vec<usize> = candidates.iter().zip(&kept).filter(|(_, &k)| k).map(|(&c, _)| c).collect();
+    let mut table_of = Vec::with_capacity(candidates.len() + 1);
+    let mut next = 0;
+    for &k in &kept {
+        table_of.push(if k { next } else { own.len() });
+        next += usize::from(k);
+    }
+    table_of.push(own.len());
+    let mut out = Vec::with_capacity((own.len() + 1) * nclass);
+    for (t, _) in kept.iter().enumerate().filter(|(_, &k)| k) {
+        out.extend_from_slice(table(t));
+    }
+    out.extend_from_slice(&shared);
+    (own, table_of, out)
+}
+
+/// Bits a context's own table costs beyond its counts: its context (a
+/// gamma code, a few bits) and what the decoder spends on it, counted as
+/// bits: `SCALE` slot entries to build and, while decoding, one more table
+/// in the cache to gather from. Measured on the training pairs (context
+/// apply, paired, against a table for every context of 32 changes or
+/// more): 0 made the payloads 0.02-0.07 % smaller and the apply 1.3-2.3 %
+/// faster; 128 (kept) 2.6-3 % faster (7.7 % at fp32m 11->12) for
+/// 0.02-0.17 % more payload; 400 3.4-6 % faster for 0.4-1.5 %; 2000,
+/// which drops nearly every table, 6-14 % faster for 4-8 %.
+const OWN_TABLE_EXTRA_BITS: f64 = 128.0;
+
+/// Bits of the changes of these class counts coded with frequencies in
+/// proportion to them (their plug-in entropy, in total).
+fn coded_bits(counts: &[u64]) -> f64 {
+    let total: u64 = counts.iter().sum();
+    if total == 0 {
+        return 0.0;
+    }
+    let t = total as f64;
+    counts.iter().filter(|&&k| k > 0).map(|&k| k as f64 * (t / k as f64).log2()).sum()
+}
+
+/// Bits `put_table` writes for these counts.
+fn table_bits(counts: &[u64]) -> f64 {
+    let gamma = |x: u64| f64::from(2 * (63 - x.leading_zeros()) + 1);
+    let listed = counts.iter().rposition(|&k| k > 0).map_or(0, |last| last + 1);
+    let count_bits = |k: u64| {
+        let nb = 64 - k.leading_zeros();
+        gamma(u64::from(nb) + 1) + f64::from((nb.max(1) - 1).min(COUNT_TOP_BITS))
+    };
+    gamma(listed as u64 + 1) + counts[..listed].iter().map(|&k| count_bits(k)).sum::<f64>()
 }
 
 /// How the rANS encoder codes one symbol of frequency `f` and start `s`:
@@ -1467,6 +1559,34 @@ mod tests {
         let contexts: Vec<u16> = (0..10_000).map(|j| (j % 3) as u16).collect();
         let out = round_trip(&contexts, &vec![0; 10_000], 4, 2);
         assert!(out.len() < 4 * LANES + 10, "{} bytes", out.len());
+    }
+
+    /// How many contexts have a table of their own in an encoded payload.
+    fn own_tables(out: &[u8]) -> u64 {
+        let mut pos = 0;
+        let s = sections(out, &mut pos, "t").unwrap();
+        get_gamma(&mut BitReader::new(s.tables), 7).unwrap() - 1
+    }
+
+    #[test]
+    fn contexts_keep_a_table_of_their_own_only_where_it_pays() {
+        let mut next = xorshift(17);
+        // Eight busy contexts drawing from one distribution: a table of
+        // their own saves nothing; the shared one codes them all.
+        let contexts: Vec<u16> = (0..40_000).map(|j| (j % 8) as u16).collect();
+        let alike: Vec<u64> = contexts.iter().map(|_| [0, 0, 0, 1, 1, 2, 3, 5][next() as usize % 8]).collect();
+        assert_eq!(own_tables(&round_trip(&contexts, &alike, 8, 2)), 0);
+        // Each context its own class (and so frequencies far from the
+        // mixture): all but the one weighed first, which would have had
+        // nothing to share with, keep theirs.
+        let distinct: Vec<u64> = contexts.iter().map(|&c| magnitude(usize::from(c) + 1, 0)).collect();
+        assert_eq!(own_tables(&round_trip(&contexts, &distinct, 8, 2)), 7);
+        // More such contexts than tables: the busiest `MAX_OWN_TABLES`
+        // keep theirs, the rest share one (the most tables a payload may
+        // have, decoded).
+        let contexts: Vec<u16> = (0..70 * 300).map(|j| (j % 70) as u16).chain((0..64 * 100).map(|j| (j % 64) as u16)).collect();
+        let distinct: Vec<u64> = contexts.iter().map(|&c| magnitude(usize::from(c) % 32, next() & 1)).collect();
+        assert_eq!(own_tables(&round_trip(&contexts, &distinct, 70, 2)), MAX_OWN_TABLES as u64);
     }
 
     #[test]
