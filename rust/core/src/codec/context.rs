@@ -532,7 +532,6 @@ thread_local! {
     static CONTEXTS: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
     static MAGNITUDES: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
     static GAPS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
-    static VALUES: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `len` elements in the buffer `slot` holds: whatever the chunk before
@@ -888,6 +887,20 @@ pub fn decode(
     kind: ChangeKind,
     context: &str,
 ) -> Result<SparseChanges> {
+    let (positions, planes) = decode_split(payload, old, model, n_changed, kind, context)?;
+    Ok(SparseChanges { positions, values: words_of(&planes) })
+}
+
+/// `decode`, with the value words as byte planes (byte `j` of each word in
+/// plane `j`), as a chunk is applied.
+pub(super) fn decode_split(
+    payload: &[u8],
+    old: &[u8],
+    model: &ContextModel,
+    n_changed: u32,
+    kind: ChangeKind,
+    context: &str,
+) -> Result<(Vec<u32>, Vec<Vec<u8>>)> {
     #[cfg(target_arch = "x86_64")]
     if model.contexts() <= 256 && super::x86::available() {
         match model.width {
@@ -897,7 +910,7 @@ pub fn decode(
             _ => {}
         }
     }
-    decode_reference(payload, old, model, n_changed, kind, context)
+    decode_reference_split(payload, old, model, n_changed, kind, context)
 }
 
 /// The portable decoder: rank bitmaps expanded into element order one
@@ -911,6 +924,18 @@ pub fn decode_reference(
     kind: ChangeKind,
     context: &str,
 ) -> Result<SparseChanges> {
+    let (positions, planes) = decode_reference_split(payload, old, model, n_changed, kind, context)?;
+    Ok(SparseChanges { positions, values: words_of(&planes) })
+}
+
+fn decode_reference_split(
+    payload: &[u8],
+    old: &[u8],
+    model: &ContextModel,
+    n_changed: u32,
+    kind: ChangeKind,
+    context: &str,
+) -> Result<(Vec<u32>, Vec<Vec<u8>>)> {
     let e = Expansion::Elements;
     match model.width {
         1 => decode_words::<u8>(payload, old, model, n_changed, kind, context, e),
@@ -1160,12 +1185,6 @@ fn expand_reference<T: Word>(old: &[u8], model: &ContextModel, buckets: &Buckets
     positions
 }
 
-/// Hand a decoded chunk's value words back, once the caller has taken
-/// what it needs, for the next chunk this thread decodes.
-pub(super) fn recycle_values(values: Vec<u64>) {
-    keep(&VALUES, values);
-}
-
 /// The value of a change of `old` by magnitude `v + 1` and sign into
 /// `out`; true when it leaves the element unchanged (a corrupt payload).
 /// `model.apply_step` with the word width known.
@@ -1195,7 +1214,7 @@ fn decode_words<T: Word>(
     kind: ChangeKind,
     context: &str,
     expansion: Expansion,
-) -> Result<SparseChanges> {
+) -> Result<(Vec<u32>, Vec<Vec<u8>>)> {
     let n = old.len() / T::BYTES;
     let m = n_changed as usize;
     let bad = |detail: &str| Error::corrupt(context, detail.to_string());
@@ -1222,8 +1241,13 @@ fn decode_words<T: Word>(
     let w = T::BYTES;
     let signs = parsed.signs;
     let local = *model;
-    // Every one overwritten below (or the payload refused).
-    let mut values = reused(&VALUES, m);
+    // The value words' bytes, plane by plane (as a chunk is applied).
+    let mut planes: Vec<Vec<u8>> = (0..w).map(|_| vec![0u8; m]).collect();
+    let mut put = |j: usize, v: u64| {
+        for (b, plane) in planes.iter_mut().enumerate() {
+            plane[j] = (v >> (8 * b)) as u8;
+        }
+    };
     // Refused after the loop: a change that does not change its element.
     let mut unchanged = false;
     if let Some(sections) = &parsed.tables {
@@ -1234,33 +1258,44 @@ fn decode_words<T: Word>(
         #[cfg(target_arch = "x86_64")]
         if expansion == Expansion::Blocks {
             let step_model = model.step_model32();
-            let taken = step_tables::decode_leading_groups(&mut steps, old, w, &positions, signs, step_model, kind == ChangeKind::Xor, &mut values);
+            let taken = step_tables::decode_leading_groups(&mut steps, old, w, &positions, signs, step_model, kind == ChangeKind::Xor, &mut planes);
             (done, unchanged) = taken;
         }
+        let mut put = |j: usize, v: u64| {
+            for (b, plane) in planes.iter_mut().enumerate() {
+                plane[j] = (v >> (8 * b)) as u8;
+            }
+        };
         // Then four changes per round, one per rANS state, so that the
         // four chains overlap.
         let whole = done + (m - done) / 4 * 4;
-        for (q, (group, outs)) in positions[done..whole].chunks_exact(4).zip(values[done..whole].chunks_exact_mut(4)).enumerate() {
+        for (q, group) in positions[done..whole].chunks_exact(4).enumerate() {
             let first = done + 4 * q;
             let load = |p: u32| T::load(&old[p as usize * w..][..w]);
             let o = [load(group[0]), load(group[1]), load(group[2]), load(group[3])];
             let v = steps.decode4(first % step_tables::LANES, [local.context(o[0]), local.context(o[1]), local.context(o[2]), local.context(o[3])]);
             for lane in 0..4 {
-                unchanged |= change::<T>(&local, kind, o[lane], v[lane], sign_bit(signs, first + lane), &mut outs[lane]);
+                let mut out = 0;
+                unchanged |= change::<T>(&local, kind, o[lane], v[lane], sign_bit(signs, first + lane), &mut out);
+                put(first + lane, out);
             }
         }
         for j in whole..m {
             let o = T::load(&old[positions[j] as usize * w..][..w]);
             let v = steps.decode(j % step_tables::LANES, local.context(o));
-            unchanged |= change::<T>(&local, kind, o, v, sign_bit(signs, j), &mut values[j]);
+            let mut out = 0;
+            unchanged |= change::<T>(&local, kind, o, v, sign_bit(signs, j), &mut out);
+            put(j, out);
         }
         steps.finish(context)?;
     } else {
         let mut steps = StepModel::new(nctx);
-        for (j, (&p, out)) in positions.iter().zip(values.iter_mut()).enumerate() {
+        for (j, &p) in positions.iter().enumerate() {
             let o = T::load(&old[p as usize * w..][..w]);
             let v = steps.decode(&mut rc, local.context(o));
-            unchanged |= change::<T>(&local, kind, o, v, sign_bit(signs, j), out);
+            let mut out = 0;
+            unchanged |= change::<T>(&local, kind, o, v, sign_bit(signs, j), &mut out);
+            put(j, out);
         }
     }
     if unchanged {
@@ -1269,7 +1304,13 @@ fn decode_words<T: Word>(
     if rc.overrun() {
         return Err(bad("range-coded stream ends early"));
     }
-    Ok(SparseChanges { positions, values })
+    Ok((positions, planes))
+}
+
+/// Value words from their byte planes.
+fn words_of(planes: &[Vec<u8>]) -> Vec<u64> {
+    let m = planes.first().map_or(0, Vec::len);
+    (0..m).map(|j| planes.iter().enumerate().fold(0u64, |v, (b, plane)| v | u64::from(plane[j]) << (8 * b))).collect()
 }
 
 #[cfg(test)]
@@ -1574,8 +1615,10 @@ mod tests {
                 for kernel in step_tables::group_kernels_here(&d) {
                     for (xor, limit) in [(false, m), (true, m), (true, odd_groups.min(m))] {
                         let mut d = step_tables::Decoder::new(sections, model.contexts(), width, "t").unwrap();
-                        let mut values = vec![0u64; m];
-                        let (done, unchanged) = step_tables::decode_leading_groups_with(kernel, &mut d, &old, width, &found.positions[..limit], parsed.signs, model.step_model32(), xor, &mut values[..limit]);
+                        let mut planes = vec![vec![0u8; limit]; width];
+                        let (done, unchanged) = step_tables::decode_leading_groups_with(kernel, &mut d, &old, width, &found.positions[..limit], parsed.signs, model.step_model32(), xor, &mut planes);
+                        let mut values = words_of(&planes);
+                        values.resize(m, 0);
                         assert!(!unchanged && done % 16 == 0 && done + 32 >= limit, "{kernel:?}: {done} of {limit} changes");
                         for j in done..m {
                             let o = read_word(&old[found.positions[j] as usize * width..][..width]);
@@ -1886,9 +1929,9 @@ mod tests {
                             let d = step_tables::Decoder::new(sections, model.contexts(), width, "t").unwrap();
                             for kernel in step_tables::group_kernels_here(&d) {
                                 let mut d = step_tables::Decoder::new(sections, model.contexts(), width, "t").unwrap();
-                                let mut values = vec![0u64; m];
+                                let mut planes = vec![vec![0u8; m]; width];
                                 let xor = kind == ChangeKind::Xor;
-                                let (done, unchanged) = step_tables::decode_leading_groups_with(kernel, &mut d, &old, width, &found.positions, parsed.signs, model.step_model32(), xor, &mut values);
+                                let (done, unchanged) = step_tables::decode_leading_groups_with(kernel, &mut d, &old, width, &found.positions, parsed.signs, model.step_model32(), xor, &mut planes);
                                 assert!(done > 0 && unchanged, "{kernel:?}, {dtype:?}: {done} changes decoded, the wrapped step not flagged");
                             }
                         }

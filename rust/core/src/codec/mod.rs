@@ -1362,10 +1362,8 @@ pub fn decode_chunk_context(
     context_name: &str,
 ) -> Result<DecodedChunk> {
     check_width(width)?;
-    let ch = context::decode(payload, base, model, n_changed, kind, context_name)?;
-    let planes = planes_of(&ch.values, width);
-    context::recycle_values(ch.values);
-    Ok(DecodedChunk { width, inner: Decoded::Sparse { positions: ch.positions, planes } })
+    let (positions, planes) = context::decode_split(payload, base, model, n_changed, kind, context_name)?;
+    Ok(DecodedChunk { width, inner: Decoded::Sparse { positions, planes } })
 }
 
 impl DecodedChunk {
