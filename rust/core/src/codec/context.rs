@@ -399,7 +399,8 @@ fn sign_bit(signs: &[u8], j: usize) -> bool {
 /// the XOR words, as `find_changes` finds them with `ChangeKind::Xor`) of
 /// a chunk whose base bytes are `old` and new bytes `new`.
 pub fn encode(old: &[u8], new: &[u8], changes: &SparseChanges, model: &ContextModel, level: i32) -> Vec<u8> {
-    encode_with(old, new, changes, model, level, StepCoding::for_changes(changes.positions.len()))
+    let elements = old.len() / model.width;
+    encode_with(old, new, changes, model, level, StepCoding::for_changes(changes.positions.len(), elements))
 }
 
 /// `encode` with the step coding given (tests reach both with any chunk).
@@ -433,9 +434,10 @@ pub(super) enum StepCoding {
 }
 
 impl StepCoding {
-    /// The encoder's choice for a chunk of `changes` changes.
-    pub(super) fn for_changes(changes: usize) -> Self {
-        if step_tables::worth_it(changes) {
+    /// The encoder's choice for a chunk of `elements` elements with
+    /// `changes` changes.
+    pub(super) fn for_changes(changes: usize, elements: usize) -> Self {
+        if step_tables::worth_it(changes, elements) {
             StepCoding::Tables
         } else {
             StepCoding::Adaptive
@@ -1843,7 +1845,9 @@ mod tests {
     fn step_coding_follows_the_change_count_and_unknown_codings_are_refused() {
         let model = ContextModel::for_dtype(DType(Dtype::BF16));
         let mut next = super::super::tests::xorshift(77);
-        for (n, every, coding) in [(40_000usize, 4u64, StepCoding::Tables), (40_000, 100, StepCoding::Adaptive)] {
+        // Many changes; few; fewer than 4096 but one element in ten
+        // (tables); as many, one in thirty (adaptive).
+        for (n, every, coding) in [(40_000usize, 4u64, StepCoding::Tables), (40_000, 100, StepCoding::Adaptive), (16_384, 10, StepCoding::Tables), (40_000, 30, StepCoding::Adaptive)] {
             let old: Vec<u8> = (0..n).flat_map(|_| ((118u16 << 7) | (next() as u16 & 0x7f)).to_le_bytes()).collect();
             let mut new = old.clone();
             for i in 0..n {
@@ -1854,7 +1858,7 @@ mod tests {
             }
             let found = super::super::find_changes(&old, &new, 2, ChangeKind::Xor).unwrap();
             let m = found.positions.len();
-            assert_eq!(StepCoding::for_changes(m), coding, "{m} changes");
+            assert_eq!(StepCoding::for_changes(m, n), coding, "{m} changes of {n}");
             let payload = encode(&old, &new, &found, &model, 1);
             assert_eq!(payload[0] >> 4, coding as u8);
             assert_eq!(decode(&payload, &old, &model, m as u32, ChangeKind::Xor, "t").unwrap(), found);
@@ -1902,7 +1906,7 @@ mod tests {
                 }
                 let found = super::super::find_changes(&old, &new, width, ChangeKind::Xor).unwrap();
                 let m = found.positions.len();
-                assert_eq!(StepCoding::for_changes(m), coding, "{m} changes");
+                assert_eq!(StepCoding::for_changes(m, n), coding, "{m} changes of {n}");
                 for kind in [ChangeKind::Xor, ChangeKind::Overwrite] {
                     // The payload as encoded decodes, so the forged ones
                     // below differ from it only in the one step.
