@@ -339,10 +339,16 @@ pub(super) fn encode(contexts: &[u16], magnitudes: &[u64], per_context: &[u64], 
     let coders: Vec<SymbolCoder> = (0..nsymbols).map(|symbol| table_coders[table_of_candidate[symbol / nclass] * nclass + symbol % nclass]).collect();
     // rANS, backwards.
     let mut states = [STATE_LOW; LANES];
-    let mut words: Vec<u16> = Vec::with_capacity(contexts.len() / 2);
+    // At most one word shed per symbol: each is written, and kept when
+    // shed, without a branch on it.
+    let mut words = vec![0u16; contexts.len() + 1];
+    // (The context diff 0.98-0.985 of the time at fp32m 10->15 and bf16
+    // 10->11, paired, against a branch: about one symbol in five sheds.)
+    let mut shed = 0;
     for (j, &symbol) in symbols.iter().enumerate().rev() {
-        coders[symbol as usize].put(&mut states[j % LANES], &mut words);
+        coders[symbol as usize].put(&mut states[j % LANES], &mut words, &mut shed);
     }
+    words.truncate(shed);
     let mut rans = Vec::with_capacity(4 * LANES + 2 * words.len());
     for x in states {
         rans.extend_from_slice(&x.to_le_bytes());
@@ -471,16 +477,17 @@ impl SymbolCoder {
         SymbolCoder { shed_from: u64::from(f) << (32 - SCALE_BITS), reciprocal, bias, complement: SCALE - f }
     }
 
-    /// Code this symbol into the state `x`, shedding 16 bits to `words`
-    /// first when needed.
+    /// Code this symbol into the state `x`, shedding its low 16 bits
+    /// first when needed: the word is always written at `words[*shed]`, and
+    /// kept (`*shed` advanced) only when shed.
     #[inline(always)]
-    fn put(&self, x: &mut u32, words: &mut Vec<u16>) {
-        if u64::from(*x) >= self.shed_from {
-            words.push(*x as u16);
-            *x >>= 16;
-        }
-        let quotient = ((u128::from(*x) * u128::from(self.reciprocal)) >> 64) as u32;
-        *x = x.wrapping_add(self.bias).wrapping_add(quotient.wrapping_mul(self.complement));
+    fn put(&self, x: &mut u32, words: &mut [u16], shed: &mut usize) {
+        let sheds = u64::from(*x) >= self.shed_from;
+        words[*shed] = *x as u16;
+        *shed += usize::from(sheds);
+        let y = *x >> (16 * u32::from(sheds));
+        let quotient = ((u128::from(y) * u128::from(self.reciprocal)) >> 64) as u32;
+        *x = y.wrapping_add(self.bias).wrapping_add(quotient.wrapping_mul(self.complement));
     }
 }
 
@@ -1537,17 +1544,24 @@ mod tests {
             states.extend((0..64).map(|_| u64::from(STATE_LOW) + next() % (top - u64::from(STATE_LOW))));
             for x in states {
                 let mut coded = x as u32;
-                let mut words = Vec::new();
-                coder.put(&mut coded, &mut words);
-                assert!(words.is_empty(), "f {f}, x {x}: no shedding below the bound");
+                let (mut words, mut shed) = ([0u16; 1], 0);
+                coder.put(&mut coded, &mut words, &mut shed);
+                assert_eq!(shed, 0, "f {f}, x {x}: no shedding below the bound");
                 let x = x as u32;
                 assert_eq!(coded, ((x / f) << SCALE_BITS) + x % f + start, "f {f}, x {x}");
             }
             // At the bound it sheds 16 bits first.
-            let mut coded = (top + 1).min(u64::from(u32::MAX)) as u32;
-            let mut words = Vec::new();
-            coder.put(&mut coded, &mut words);
-            assert_eq!(words.len(), usize::from(top < u64::from(u32::MAX)), "f {f}");
+            let before = (top + 1).min(u64::from(u32::MAX)) as u32;
+            let mut coded = before;
+            let (mut words, mut shed) = ([0u16; 1], 0);
+            coder.put(&mut coded, &mut words, &mut shed);
+            let sheds = top < u64::from(u32::MAX);
+            assert_eq!(shed, usize::from(sheds), "f {f}");
+            if sheds {
+                // The low 16 bits went out, the rest was coded.
+                let (kept, x) = (words[0], before >> 16);
+                assert_eq!((kept, coded), (before as u16, ((x / f) << SCALE_BITS) + x % f + start), "f {f}");
+            }
         }
     }
 
