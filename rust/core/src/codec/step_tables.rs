@@ -239,7 +239,7 @@ fn frequencies(counts: &[u64], freqs: &mut [u32]) -> bool {
 /// pairs, against tables from 4096 changes only: the context apply of
 /// fp32m 10->15 (its key and value projections, 16,384 elements with about
 /// 1,600 changes each, now table-coded) 0.94-0.98 of the time, 12->15
-/// 0.93-0.98, for 0.26 % and 0.42 % more payload; the one-step pairs
+/// 0.93-0.99, for 0.26 % and 0.42 % more payload; the one-step pairs
 /// unchanged.
 pub(super) fn worth_it(changes: usize, elements: usize) -> bool {
     changes >= TABLE_STEPS_MIN_CHANGES || (changes >= DENSE_TABLE_STEPS_MIN_CHANGES && changes * DENSE_ELEMENTS_PER_CHANGE >= elements)
@@ -983,8 +983,8 @@ pub(super) mod avx512 {
     /// from bit `j % 8` of `signs[j / 8]`, into `planes` (byte `j` of each
     /// value word, an XOR mask or the new word unless `xor`, in plane `j`:
     /// how a chunk is applied, so no pass splits the words afterwards; the
-    /// context apply 0.95-0.97 of the time at fp32m 10->15, bf16 10->11,
-    /// against words stored and split). Returns whether a change leaves its
+    /// context apply 0.95-0.97 of the time at fp32m 10->15, 0.92-0.97 at
+    /// bf16 10->11, against words stored and split). Returns whether a change leaves its
     /// element as it was (a corrupt payload).
     ///
     /// # Safety
