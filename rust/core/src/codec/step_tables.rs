@@ -467,25 +467,36 @@ impl RansCoders {
         for (j, &symbol) in symbols.iter().enumerate().skip(whole).rev() {
             self.scalar[symbol as usize].put(&mut states[j % LANES], &mut words, &mut shed);
         }
-        let mut scalar_from = whole;
-        #[cfg(target_arch = "x86_64")]
-        if vector && avx512::rans_available() {
-            let reciprocals: Vec<f64> = self.frequency_and_start.iter().map(|&p| 1.0 / f64::from((p & 0xFFFF).max(1))).collect();
-            // Safety: the CPU has what the kernel needs (checked just
-            // above), every symbol indexes both tables, every symbol coded
-            // has a frequency of at least 1, and `words` has room for
-            // sixteen past every word kept.
-            #[allow(unsafe_code)]
-            unsafe {
-                avx512::rans_groups(&symbols[..whole], &self.frequency_and_start, &reciprocals, &mut states, &mut words, &mut shed)
-            };
-            scalar_from = 0;
-        }
+        let scalar_from = if vector && self.vector_groups(&symbols[..whole], &mut states, &mut words, &mut shed) { 0 } else { whole };
         for (j, &symbol) in symbols[..scalar_from].iter().enumerate().rev() {
             self.scalar[symbol as usize].put(&mut states[j % LANES], &mut words, &mut shed);
         }
         words.truncate(shed);
         (states, words)
+    }
+
+    /// The whole groups `symbols` by the vector kernel, where the CPU runs
+    /// it (returns whether it did).
+    #[cfg(target_arch = "x86_64")]
+    fn vector_groups(&self, symbols: &[u32], states: &mut [u32; LANES], words: &mut [u16], shed: &mut usize) -> bool {
+        if !avx512::rans_available() {
+            return false;
+        }
+        let reciprocals: Vec<f64> = self.frequency_and_start.iter().map(|&p| 1.0 / f64::from((p & 0xFFFF).max(1))).collect();
+        // Safety: the CPU has what the kernel needs (checked just above),
+        // every symbol indexes both tables, every symbol coded has a
+        // frequency of at least 1, and `words` has room for sixteen past
+        // every word kept.
+        #[allow(unsafe_code)]
+        unsafe {
+            avx512::rans_groups(symbols, &self.frequency_and_start, &reciprocals, states, words, shed)
+        };
+        true
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    fn vector_groups(&self, _: &[u32], _: &mut [u32; LANES], _: &mut [u16], _: &mut usize) -> bool {
+        false
     }
 }
 
