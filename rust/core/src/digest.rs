@@ -257,6 +257,7 @@ impl Kernel {
     /// `sum h(first + offsets[k], new[k]) - h(first + offsets[k], old[k])`
     /// over the leading changes the vector unit takes (all unit indices
     /// below 2^32), and how many it took.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
     fn moved_at(self, first: u32, offsets: &[u32], old: &[u32], new: &[u32]) -> (DigestSum, usize) {
         match self {
             Kernel::Portable => (DigestSum::ZERO, 0),

@@ -474,6 +474,7 @@ fn survey<T: Word>(old: &[u8], new: &[u8], positions: &[u32], xors: &[u64], mode
         );
     }
     let mut out = Survey::for_changes(positions.len());
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
     let mut done = 0;
     // The widest vector kernel this CPU runs takes the leading changes.
     #[cfg(target_arch = "x86_64")]
@@ -1256,6 +1257,7 @@ fn decode_words<T: Word>(
         let mut steps = step_tables::Decoder::new(sections, nctx, w, context)?;
         // Sixteen changes at a time where the CPU can (one per rANS state),
         // all but the last few.
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut done = 0;
         #[cfg(target_arch = "x86_64")]
         if expansion == Expansion::Blocks {

@@ -892,6 +892,7 @@ fn prefetch(p: *const u8) {
 /// them the sparse apply of the training pairs took 0.97-0.99 of the
 /// time, the context apply and encode 0.98-0.99 (paired `ab_timing`, a
 /// Zen 3 host).
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn prefetch_words(base: *const u8, width: usize, positions: &[u32], from: usize, count: usize) {
     if let Some(group) = from.checked_add(count).and_then(|end| positions.get(from..end)) {
@@ -1231,6 +1232,7 @@ unsafe fn prefix_words_avx512(g: &[u32; GAP_BLOCK], next: u64, n: u64, out: &mut
 /// The position after a block of whole gaps from `next`, added up in 64
 /// bits (a gap may be up to 2^32), when it is at most `n`: the vector
 /// kernels then sum the block in 32-bit lanes, where no partial sum wraps.
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn whole_gaps_end(g: &[u32; GAP_BLOCK], next: u64, n: u64) -> Option<u64> {
     let after = next + g.iter().map(|&gap| u64::from(gap) + 1).sum::<u64>();

@@ -129,6 +129,7 @@ impl RiceWriter {
             self.unary_bits = end;
             return;
         }
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut packed = 0;
         #[cfg(target_arch = "x86_64")]
         if avx2::packs_low_parts() {

@@ -89,6 +89,7 @@ fn gather<T: Word>(
     values: &mut Vec<u64>,
     moves: &mut DigestMoves,
 ) {
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
     let w = T::BYTES;
     let overwrite = kind == ChangeKind::Overwrite;
     values.reserve(positions.len());

@@ -277,6 +277,7 @@ pub(super) fn encode(contexts: &[u16], magnitudes: &[u64], per_context: &[u64], 
     let nsymbols = ntables * nclass;
     let mut symbols = vec![0u32; contexts.len()];
     let mut raw = BitWriter::new();
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     if width <= 4 {
@@ -445,6 +446,7 @@ fn table_bits(counts: &[u64]) -> f64 {
 /// its frequency and start (`f | start << 16`) for the vector kernel.
 struct RansCoders {
     scalar: Vec<SymbolCoder>,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     frequency_and_start: Vec<u32>,
 }
 
@@ -583,6 +585,7 @@ pub(super) struct Decoder {
     /// slot's class (top 8 bits), its offset from the class's first slot
     /// (12 bits) and the class's frequency less one (low 12 bits), so that
     /// one gather finds all three.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     slots: Vec<u32>,
     states: [u32; LANES],
     /// The rANS words, then `WORDS_PADDING` zero bytes (read, never used:
