@@ -1246,11 +1246,6 @@ fn decode_words<T: Word>(
     let local = *model;
     // The value words' bytes, plane by plane (as a chunk is applied).
     let mut planes: Vec<Vec<u8>> = (0..w).map(|_| vec![0u8; m]).collect();
-    let mut put = |j: usize, v: u64| {
-        for (b, plane) in planes.iter_mut().enumerate() {
-            plane[j] = (v >> (8 * b)) as u8;
-        }
-    };
     // Refused after the loop: a change that does not change its element.
     let mut unchanged = false;
     if let Some(sections) = &parsed.tables {
@@ -1265,11 +1260,6 @@ fn decode_words<T: Word>(
             let taken = step_tables::decode_leading_groups(&mut steps, old, w, &positions, signs, step_model, kind == ChangeKind::Xor, &mut planes);
             (done, unchanged) = taken;
         }
-        let mut put = |j: usize, v: u64| {
-            for (b, plane) in planes.iter_mut().enumerate() {
-                plane[j] = (v >> (8 * b)) as u8;
-            }
-        };
         // Then four changes per round, one per rANS state, so that the
         // four chains overlap.
         let whole = done + (m - done) / 4 * 4;
@@ -1281,7 +1271,7 @@ fn decode_words<T: Word>(
             for lane in 0..4 {
                 let mut out = 0;
                 unchanged |= change::<T>(&local, kind, o[lane], v[lane], sign_bit(signs, first + lane), &mut out);
-                put(first + lane, out);
+                set_word(&mut planes, first + lane, out);
             }
         }
         for j in whole..m {
@@ -1289,7 +1279,7 @@ fn decode_words<T: Word>(
             let v = steps.decode(j % step_tables::LANES, local.context(o));
             let mut out = 0;
             unchanged |= change::<T>(&local, kind, o, v, sign_bit(signs, j), &mut out);
-            put(j, out);
+            set_word(&mut planes, j, out);
         }
         steps.finish(context)?;
     } else {
@@ -1299,7 +1289,7 @@ fn decode_words<T: Word>(
             let v = steps.decode(&mut rc, local.context(o));
             let mut out = 0;
             unchanged |= change::<T>(&local, kind, o, v, sign_bit(signs, j), &mut out);
-            put(j, out);
+            set_word(&mut planes, j, out);
         }
     }
     if unchanged {
@@ -1309,6 +1299,14 @@ fn decode_words<T: Word>(
         return Err(bad("range-coded stream ends early"));
     }
     Ok((positions, planes))
+}
+
+/// Word `j` of byte planes set to `v`.
+#[inline(always)]
+fn set_word(planes: &mut [Vec<u8>], j: usize, v: u64) {
+    for (b, plane) in planes.iter_mut().enumerate() {
+        plane[j] = (v >> (8 * b)) as u8;
+    }
 }
 
 /// Value words from their byte planes.
