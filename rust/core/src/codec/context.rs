@@ -905,15 +905,10 @@ pub(super) fn decode_split(
     context: &str,
 ) -> Result<(Vec<u32>, Vec<Vec<u8>>)> {
     #[cfg(target_arch = "x86_64")]
-    if model.contexts() <= 256 && super::x86::available() {
-        match model.width {
-            1 => return decode_words::<u8>(payload, old, model, n_changed, kind, context, Expansion::Blocks),
-            2 => return decode_words::<u16>(payload, old, model, n_changed, kind, context, Expansion::Blocks),
-            4 => return decode_words::<u32>(payload, old, model, n_changed, kind, context, Expansion::Blocks),
-            _ => {}
-        }
+    if model.contexts() <= 256 && model.width <= 4 && super::x86::available() {
+        return decode_words_of_width(payload, old, model, n_changed, kind, context, Expansion::Blocks);
     }
-    decode_reference_split(payload, old, model, n_changed, kind, context)
+    decode_words_of_width(payload, old, model, n_changed, kind, context, Expansion::Elements)
 }
 
 /// The portable decoder: rank bitmaps expanded into element order one
@@ -927,24 +922,25 @@ pub fn decode_reference(
     kind: ChangeKind,
     context: &str,
 ) -> Result<SparseChanges> {
-    let (positions, planes) = decode_reference_split(payload, old, model, n_changed, kind, context)?;
+    let (positions, planes) = decode_words_of_width(payload, old, model, n_changed, kind, context, Expansion::Elements)?;
     Ok(SparseChanges { positions, values: words_of(&planes) })
 }
 
-fn decode_reference_split(
+/// `decode_words` for the model's word width.
+fn decode_words_of_width(
     payload: &[u8],
     old: &[u8],
     model: &ContextModel,
     n_changed: u32,
     kind: ChangeKind,
     context: &str,
+    expansion: Expansion,
 ) -> Result<(Vec<u32>, Vec<Vec<u8>>)> {
-    let e = Expansion::Elements;
     match model.width {
-        1 => decode_words::<u8>(payload, old, model, n_changed, kind, context, e),
-        2 => decode_words::<u16>(payload, old, model, n_changed, kind, context, e),
-        4 => decode_words::<u32>(payload, old, model, n_changed, kind, context, e),
-        _ => decode_words::<u64>(payload, old, model, n_changed, kind, context, e),
+        1 => decode_words::<u8>(payload, old, model, n_changed, kind, context, expansion),
+        2 => decode_words::<u16>(payload, old, model, n_changed, kind, context, expansion),
+        4 => decode_words::<u32>(payload, old, model, n_changed, kind, context, expansion),
+        _ => decode_words::<u64>(payload, old, model, n_changed, kind, context, expansion),
     }
 }
 

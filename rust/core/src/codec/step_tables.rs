@@ -481,7 +481,7 @@ impl RansCoders {
     /// it (returns whether it did).
     #[cfg(target_arch = "x86_64")]
     fn vector_groups(&self, symbols: &[u32], states: &mut [u32; LANES], words: &mut [u16], shed: &mut usize) -> bool {
-        if !avx512::rans_available() {
+        if !avx512::available() {
             return false;
         }
         let reciprocals: Vec<f64> = self.frequency_and_start.iter().map(|&p| 1.0 / f64::from((p & 0xFFFF).max(1))).collect();
@@ -896,10 +896,8 @@ pub(super) fn decode_leading_groups_with(
                 let mut values = vec![0u64; head];
                 let kernels = [avx2::decode_groups::<1>, avx2::decode_groups::<2>, avx2::decode_groups::<4>];
                 let unchanged = kernels[slot](steps, old, positions, signs, model, xor, &mut values);
-                for (j, plane) in heads.iter_mut().enumerate() {
-                    for (b, &v) in plane.iter_mut().zip(&values) {
-                        *b = (v >> (8 * j)) as u8;
-                    }
+                for (head, plane) in heads.iter_mut().zip(super::planes_of(&values, width)) {
+                    head.copy_from_slice(&plane);
                 }
                 unchanged
             }
@@ -950,12 +948,6 @@ pub(super) mod avx512 {
         gather_x86::available()
     }
 
-    /// Whether this CPU runs `rans_groups`.
-    pub(in crate::codec) fn rans_available() -> bool {
-        static RANS: OnceLock<bool> = OnceLock::new();
-        *RANS.get_or_init(|| available() && is_x86_feature_detected!("avx512dq"))
-    }
-
     /// The rANS encoder's whole groups of sixteen symbols, from the last
     /// group down (each group's lanes from 15 down, as the scalar encoder
     /// takes them): symbol `s` has frequency `packed[s] & 0xFFFF` and start
@@ -970,10 +962,10 @@ pub(super) mod avx512 {
     /// have fewer changes per table, within 0.5 %.
     ///
     /// # Safety
-    /// `rans_available()`; `symbols.len()` is a multiple of 16; every
+    /// `available()`; `symbols.len()` is a multiple of 16; every
     /// symbol below `packed.len() == reciprocals.len()`, each with a
     /// frequency of at least 1; `words.len() >= *shed + symbols.len() + 16`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub(super) unsafe fn rans_groups(symbols: &[u32], packed: &[u32], reciprocals: &[f64], states: &mut [u32; LANES], words: &mut [u16], shed: &mut usize) {
         assert!(symbols.len().is_multiple_of(LANES) && packed.len() == reciprocals.len() && words.len() >= *shed + symbols.len() + LANES);
         let reverse = _mm512_setr_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
