@@ -82,6 +82,11 @@ impl BitWriter {
         BitSink { acc: self.acc, n: self.n, len: self.len, buf: &mut self.buf[..], acc_out: &mut self.acc, n_out: &mut self.n, len_out: &mut self.len }
     }
 
+    /// Zero bits up to the next byte boundary.
+    pub(super) fn align_to_byte(&mut self) {
+        self.put(0, (8 - self.n) % 8);
+    }
+
     pub(super) fn finish(mut self) -> Vec<u8> {
         // The pending bits (fewer than 8) are already in `buf` past `len`.
         self.buf.truncate(self.len + usize::from(self.n > 0));

@@ -20,6 +20,7 @@ pub mod range;
 mod scan;
 pub mod streams;
 mod bits;
+mod huffman;
 mod rice;
 mod step_tables;
 #[cfg(target_arch = "x86_64")]

@@ -109,7 +109,13 @@ pub fn put_symbols(out: &mut Vec<u8>, data: &[u8], zstd_level: i32) {
 }
 
 fn put_tuned(out: &mut Vec<u8>, data: &[u8], tuning: Tuning) {
-    let compressed = if data.len() >= 16 { Some(zstd_compress(data, tuning)) } else { None };
+    let compressed = match tuning {
+        _ if data.len() < 16 => None,
+        // The frame zstd would write for symbols, written directly
+        // (`huffman`); zstd itself where that one cannot be written.
+        Tuning::Symbols => super::huffman::frame(data).or_else(|| Some(zstd_compress(data, tuning))),
+        Tuning::Level(_) => Some(zstd_compress(data, tuning)),
+    };
     match compressed {
         Some(c) if c.len() < data.len() => {
             out.push(ZSTD);
