@@ -9,11 +9,11 @@
 //! (the few common values by compares, 64 at a time), one
 //! length-limited code for the whole stream, and the codes looked up and
 //! joined eight at a time in AVX-512 registers. Measured on the training
-//! pairs' low planes (one thread, the Intel Xeon host): 0.76 of zstd's
-//! time on the fp32-master 10->15 planes, 0.92 on the pure-bf16 ones (30
-//! streams of 1.7-113 K bytes, where the per-stream table work weighs
-//! more); the free diff 0.96 of the time at 10->15, 0.97 at 12->15,
-//! 0.99-1.0 on one-step pairs; 0.02-0.11 % fewer bytes.
+//! pairs' low planes (`examples/symbol_streams`, one thread, the Intel
+//! Xeon host): 0.77 of zstd's time on the fp32-master 10->15 planes, 0.99
+//! on the pure-bf16 10->11 ones (smaller streams, where the per-stream
+//! table work weighs more); the free diff 0.96 of the time at 10->15, 0.97
+//! at 12->15, 0.99 on one-step pairs; 0.02-0.11 % fewer bytes.
 //!
 //! The output is a plain zstd frame (without magic number, as `streams`
 //! stores every zstd frame), so any zstd decoder reads it: the payload
