@@ -197,9 +197,10 @@ fn put_backward(w: &mut StreamWriter<'_>, symbols: &[u8], entries: &[u32; 256]) 
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod avx512 {
-    //! Codes looked up and joined four at a time in AVX-512 registers
-    //! (VBMI byte permutes for the lookups), 64 symbols per step; the
-    //! writer then appends one word per four codes.
+    //! The count by compares, and the codes looked up (VBMI byte
+    //! permutes) and joined into fours and then eights in AVX-512
+    //! registers, 64 symbols per step; the writer then appends one word
+    //! per eight codes (two where an eight takes more than 56 bits).
     use super::{Code, StreamWriter};
     use std::arch::x86_64::*;
 
