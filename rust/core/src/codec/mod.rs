@@ -330,41 +330,18 @@ fn with_planes(mut positions: Vec<u8>, planes: &[u8]) -> Vec<u8> {
 }
 
 /// The gaps of ascending positions: `position - previous - 1`, the first
-/// previous being -1.
+/// previous being -1 (what `rice::gaps_and_best_parameter` writes).
+#[cfg(test)]
 fn position_gaps(positions: &[u32]) -> Vec<u32> {
-    let mut gaps = Vec::with_capacity(positions.len());
-    fill_position_gaps(positions, &mut gaps);
-    gaps
-}
-
-/// `position_gaps` appended to `gaps`.
-fn fill_position_gaps(positions: &[u32], gaps: &mut Vec<u32>) {
-    #[cfg(target_arch = "x86_64")]
-    if avx2_available() {
-        // Safety: the CPU supports AVX2 (checked just above).
-        #[allow(unsafe_code)]
-        return unsafe { fill_position_gaps_avx2(positions, gaps) };
-    }
-    fill_position_gaps_any(positions, gaps);
-}
-
-/// `fill_position_gaps_any` compiled for AVX2, where the compiler
-/// vectorises it eight lanes wide (the free diff at fp32m 12->15 and
-/// 10->15 0.985-0.99 of the time, paired; the one-step pairs the same).
-#[cfg(target_arch = "x86_64")]
-#[allow(unsafe_code)]
-#[target_feature(enable = "avx2")]
-unsafe fn fill_position_gaps_avx2(positions: &[u32], gaps: &mut Vec<u32>) {
-    fill_position_gaps_any(positions, gaps);
-}
-
-#[inline(always)]
-fn fill_position_gaps_any(positions: &[u32], gaps: &mut Vec<u32>) {
-    gaps.reserve(positions.len());
-    gaps.extend(positions.first());
-    // Independent differences of neighbours (the compiler vectorises them).
-    let (next, previous) = (positions.get(1..).unwrap_or_default(), positions);
-    gaps.extend(next.iter().zip(previous).map(|(&p, &q)| p - q - 1));
+    let mut previous = -1i64;
+    positions
+        .iter()
+        .map(|&p| {
+            let gap = (i64::from(p) - previous - 1) as u32;
+            previous = i64::from(p);
+            gap
+        })
+        .collect()
 }
 
 thread_local! {
@@ -374,14 +351,14 @@ thread_local! {
     static GAPS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// `f(position_gaps(positions))`, the gaps in a buffer reused by the
-/// thread.
-fn with_position_gaps<R>(positions: &[u32], f: impl FnOnce(&[u32]) -> R) -> R {
+/// `f(position_gaps(positions), best_rice_parameter of them)`, the gaps in
+/// a buffer reused by the thread.
+fn with_position_gaps<R>(positions: &[u32], f: impl FnOnce(&[u32], (u32, u64)) -> R) -> R {
     GAPS.with(|cell| match cell.try_borrow_mut() {
         Ok(mut gaps) => {
             gaps.clear();
-            fill_position_gaps(positions, &mut gaps);
-            let out = f(&gaps);
+            let rice = rice::gaps_and_best_parameter(positions, &mut gaps);
+            let out = f(&gaps, rice);
             // At most 4 MiB kept per thread (a default chunk's gaps at 50 %).
             if gaps.capacity() > 1 << 20 {
                 *gaps = Vec::new();
@@ -389,7 +366,11 @@ fn with_position_gaps<R>(positions: &[u32], f: impl FnOnce(&[u32]) -> R) -> R {
             out
         }
         // Only if `f` itself encodes a chunk on this thread.
-        Err(_) => f(&position_gaps(positions)),
+        Err(_) => {
+            let mut gaps = Vec::new();
+            let rice = rice::gaps_and_best_parameter(positions, &mut gaps);
+            f(&gaps, rice)
+        }
     })
 }
 
@@ -741,9 +722,7 @@ fn encode_positions(
             // Rice codes, unless the gap bytes come out smaller (where the
             // gaps are far from geometric); those are built only where
             // their Huffman code's size says they could be.
-            with_position_gaps(positions, |gaps| {
-                let span = positions.last().map_or(0, |&p| u64::from(p) + 1);
-                let (k, bits) = rice::best_rice_parameter(gaps, span, m as u64);
+            with_position_gaps(positions, |gaps, (k, bits)| {
                 let rice_len = rice_positions_len(m, k, bits);
                 match gap_bytes_could_beat(gaps, rice_len - rice_len / 100 * gap_bytes_margin_percent(level)).then(|| sparse_positions(positions, level)) {
                     Some(sparse) if sparse.len() < rice_len => (Encoding::Sparse, sparse),

@@ -50,25 +50,48 @@ fn rice_costs_avx2(gaps: &[u32], k0: u32) -> [u64; 3] {
     rice_costs_any(gaps, k0)
 }
 
-#[inline(always)]
-fn rice_costs_any(gaps: &[u32], k0: u32) -> [u64; 3] {
-    let (mut high, mut odd, mut low2) = (0u64, 0u64, 0u64);
-    // Blocks short enough for 32-bit sums of `h & 3`.
-    for block in gaps.chunks(1 << 20) {
+/// Sums of `h = g >> k0` over gaps, of `h & 1` and of `h & 3`.
+#[derive(Clone, Copy, Default)]
+struct UnarySums {
+    high: u64,
+    odd: u64,
+    low2: u64,
+}
+
+impl UnarySums {
+    /// Gaps handled per block: short enough for 32-bit sums of `h & 3`.
+    const BLOCK: usize = 1 << 20;
+
+    /// Add the sums of one block (at most `BLOCK` gaps, given one by one).
+    #[inline(always)]
+    fn add_block(&mut self, gaps: impl Iterator<Item = u32>, k0: u32) {
         let (mut h_sum, mut odd_sum, mut low2_sum) = (0u64, 0u32, 0u32);
-        for &g in block {
+        for g in gaps {
             let h = g >> k0;
             h_sum += u64::from(h);
             odd_sum += h & 1;
             low2_sum += h & 3;
         }
-        high += h_sum;
-        odd += u64::from(odd_sum);
-        low2 += u64::from(low2_sum);
+        self.high += h_sum;
+        self.odd += u64::from(odd_sum);
+        self.low2 += u64::from(low2_sum);
     }
-    let unary = [high, (high - odd) / 2, (high - low2) / 4];
-    let m = gaps.len() as u64;
-    [0u32, 1, 2].map(|i| unary[i as usize] + m * u64::from(1 + k0 + i))
+
+    /// The bits of `m` gaps' Rice codes with parameters `k0`, `k0 + 1` and
+    /// `k0 + 2`.
+    fn costs(&self, m: usize, k0: u32) -> [u64; 3] {
+        let unary = [self.high, (self.high - self.odd) / 2, (self.high - self.low2) / 4];
+        [0u32, 1, 2].map(|i| unary[i as usize] + m as u64 * u64::from(1 + k0 + i))
+    }
+}
+
+#[inline(always)]
+fn rice_costs_any(gaps: &[u32], k0: u32) -> [u64; 3] {
+    let mut sums = UnarySums::default();
+    for block in gaps.chunks(UnarySums::BLOCK) {
+        sums.add_block(block.iter().copied(), k0);
+    }
+    sums.costs(gaps.len(), k0)
 }
 
 /// The bits of the gaps' Rice codes with parameter `k < 32`.
@@ -80,12 +103,90 @@ pub(super) fn code_bits(gaps: &[u32], k: u32) -> u64 {
 /// fewest bits, and those bits: three candidates around the one the mean
 /// gap suggests.
 pub(super) fn best_rice_parameter(gaps: &[u32], span: u64, m: u64) -> (u32, u64) {
+    let k0 = first_candidate(span, m);
+    best_candidate(rice_costs(gaps, k0), k0)
+}
+
+/// The smallest of the three parameters `best_rice_parameter` weighs: one
+/// below the one that suits a geometric distribution of that mean gap.
+fn first_candidate(span: u64, m: u64) -> u32 {
     let mean = (span - m) as f64 / m as f64;
     let guess = if mean > 1.0 { (mean * std::f64::consts::LN_2).log2().max(0.0) as u32 } else { 0 };
-    let k0 = guess.saturating_sub(1).min(29);
-    let costs = rice_costs(gaps, k0);
+    guess.saturating_sub(1).min(29)
+}
+
+fn best_candidate(costs: [u64; 3], k0: u32) -> (u32, u64) {
     let best = (0..3).min_by_key(|&i| costs[i]).expect("three candidates");
     (k0 + best as u32, costs[best])
+}
+
+/// The gaps of ascending `positions` (`position - previous - 1`, the first
+/// previous being -1) appended to `gaps`, and `best_rice_parameter` of
+/// them, from the same pass over the positions (where the gaps were
+/// written by one pass and read back by the next).
+pub(super) fn gaps_and_best_parameter(positions: &[u32], gaps: &mut Vec<u32>) -> (u32, u64) {
+    let (m, span) = (positions.len() as u64, positions.last().map_or(0, |&p| u64::from(p) + 1));
+    let k0 = first_candidate(span, m);
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available() {
+        // Safety: the CPU has AVX-512 F (just checked).
+        #[allow(unsafe_code)]
+        return best_candidate(unsafe { gaps_and_costs_avx512(positions, gaps, k0) }, k0);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::codec::avx2_available() {
+        // Safety: the CPU has AVX2 (just checked).
+        #[allow(unsafe_code)]
+        return best_candidate(unsafe { gaps_and_costs_avx2(positions, gaps, k0) }, k0);
+    }
+    best_candidate(gaps_and_costs_any(positions, gaps, k0), k0)
+}
+
+/// `gaps_and_costs_any` compiled for AVX-512 F, vectorised sixteen wide.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn gaps_and_costs_avx512(positions: &[u32], gaps: &mut Vec<u32>, k0: u32) -> [u64; 3] {
+    gaps_and_costs_any(positions, gaps, k0)
+}
+
+/// `gaps_and_costs_any` compiled for AVX2, vectorised eight wide.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn gaps_and_costs_avx2(positions: &[u32], gaps: &mut Vec<u32>, k0: u32) -> [u64; 3] {
+    gaps_and_costs_any(positions, gaps, k0)
+}
+
+/// The gaps appended and their `rice_costs` with `k0`.
+#[inline(always)]
+fn gaps_and_costs_any(positions: &[u32], gaps: &mut Vec<u32>, k0: u32) -> [u64; 3] {
+    let Some((&first, _)) = positions.split_first() else {
+        return UnarySums::default().costs(0, k0);
+    };
+    let n = positions.len();
+    gaps.reserve(n);
+    let start = gaps.len();
+    let out = &mut gaps.spare_capacity_mut()[..n];
+    out[0].write(first);
+    let mut sums = UnarySums::default();
+    sums.add_block(std::iter::once(first), k0);
+    // Independent differences of neighbours: `next[i] - previous[i] - 1`.
+    let blocks = out[1..].chunks_mut(UnarySums::BLOCK).zip(positions[1..].chunks(UnarySums::BLOCK).zip(positions.chunks(UnarySums::BLOCK)));
+    for (out, (next, previous)) in blocks {
+        sums.add_block(
+            out.iter_mut().zip(next.iter().zip(previous)).map(|(o, (&p, &q))| {
+                let g = p - q - 1;
+                o.write(g);
+                g
+            }),
+            k0,
+        );
+    }
+    // Safety: the `n` slots past `start` were all written just above.
+    #[allow(unsafe_code)]
+    unsafe {
+        gaps.set_len(start + n)
+    };
+    sums.costs(n, k0)
 }
 
 /// The most bytes a Rice stream of `count` values below `limit` can take:
@@ -1330,6 +1431,59 @@ mod tests {
             let mut w = RiceWriter::new();
             w.put_gaps(&gaps, k, bits);
             assert_eq!(w.finish().len() as u64, (gaps.len() as u64 * u64::from(k)).div_ceil(8) + (bits - gaps.len() as u64 * u64::from(k)).div_ceil(8));
+        }
+    }
+
+    /// The fused pass writes the gaps and counts their costs as the two
+    /// passes it replaces do, on every kernel this CPU has, across the
+    /// blocks of its 32-bit sums and appended behind earlier gaps.
+    #[test]
+    fn gaps_and_best_parameter_match_the_two_passes() {
+        let mut next = super::super::tests::xorshift(0x9E37_79B9);
+        for (m, mean) in [(0usize, 1u64), (1, 0), (1, 70), (17, 3), (5000, 9), (UnarySums::BLOCK + 37, 2)] {
+            let mut at = 0u32;
+            let positions: Vec<u32> = (0..m)
+                .map(|_| {
+                    let p = at + (next() % (2 * mean + 1)) as u32;
+                    at = p + 1;
+                    p
+                })
+                .collect();
+            let gaps = super::super::position_gaps(&positions);
+            let span = positions.last().map_or(0, |&p| u64::from(p) + 1);
+            let want = if m == 0 { None } else { Some(best_rice_parameter(&gaps, span, m as u64)) };
+            let k0 = first_candidate(span, m.max(1) as u64);
+            let mut kernels: Vec<(&str, fn(&[u32], &mut Vec<u32>, u32) -> [u64; 3])> = vec![("portable", gaps_and_costs_any)];
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[allow(unsafe_code)]
+                fn on_avx2(p: &[u32], g: &mut Vec<u32>, k0: u32) -> [u64; 3] {
+                    // Safety: listed only where the CPU has AVX2.
+                    unsafe { gaps_and_costs_avx2(p, g, k0) }
+                }
+                #[allow(unsafe_code)]
+                fn on_avx512(p: &[u32], g: &mut Vec<u32>, k0: u32) -> [u64; 3] {
+                    // Safety: listed only where the CPU has AVX-512 F.
+                    unsafe { gaps_and_costs_avx512(p, g, k0) }
+                }
+                if crate::codec::avx2_available() {
+                    kernels.push(("avx2", on_avx2));
+                }
+                if avx512::available() {
+                    kernels.push(("avx512", on_avx512));
+                }
+            }
+            for (name, kernel) in kernels {
+                let mut out = vec![7u32, 8];
+                let costs = kernel(&positions, &mut out, k0);
+                assert_eq!(&out[..2], &[7, 8], "{name}: earlier gaps kept");
+                assert_eq!(out[2..], gaps[..], "{name}: {m} gaps");
+                assert_eq!(costs, rice_costs_any(&gaps, k0), "{name}: {m} gaps");
+            }
+            if let Some(want) = want {
+                let mut out = Vec::new();
+                assert_eq!(gaps_and_best_parameter(&positions, &mut out), want);
+            }
         }
     }
 }
