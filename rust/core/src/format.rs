@@ -33,8 +33,6 @@ const TAG_HEADER: u8 = b'H';
 const TAG_CHUNK: u8 = b'C';
 pub const TAG_TRAILER: u8 = b'T';
 const FRAME_OVERHEAD: usize = 1 + 4 + 4;
-/// Most bytes a chunk frame's fields take besides its payload.
-const CHUNK_FIELDS_MAX: usize = 8 + 5 + 5 + 10 + 5 + 1 + 5;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeltaHeader {
@@ -124,10 +122,17 @@ pub fn preamble() -> [u8; PREAMBLE_LEN] {
 }
 
 fn frame(tag: u8, body: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(body.len() + FRAME_OVERHEAD);
+    frame_built(tag, body.len(), |out| out.extend_from_slice(body))
+}
+
+/// A frame whose body of `body_len` bytes `put_body` appends, built in
+/// place (no body assembled first and then copied).
+fn frame_built(tag: u8, body_len: usize, put_body: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
+    let mut out = Vec::with_capacity(body_len + FRAME_OVERHEAD);
     out.push(tag);
-    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    out.extend_from_slice(body);
+    out.extend_from_slice(&(body_len as u32).to_le_bytes());
+    put_body(&mut out);
+    assert_eq!(out.len(), 5 + body_len, "a frame body of the length announced");
     let crc = crc32c::crc32c(&out);
     out.extend_from_slice(&crc.to_le_bytes());
     out
@@ -170,16 +175,16 @@ impl ChunkFrame {
     /// the body.
     pub fn to_frame(&self) -> Vec<u8> {
         use crate::codec::streams::put_varint;
-        let mut b = Vec::with_capacity(CHUNK_FIELDS_MAX + self.payload.len());
-        b.extend_from_slice(&self.delta_tag.to_le_bytes());
-        put_varint(&mut b, self.seq.into());
-        put_varint(&mut b, self.tensor.into());
-        put_varint(&mut b, self.start);
-        put_varint(&mut b, self.len.into());
-        b.push(self.kind as u8 | (self.encoding as u8) << 2 | (self.mode as u8) << 5);
-        put_varint(&mut b, self.n_changed.into());
-        b.extend_from_slice(&self.payload);
-        frame(TAG_CHUNK, &b)
+        frame_built(TAG_CHUNK, self.frame_len() - FRAME_OVERHEAD, |b| {
+            b.extend_from_slice(&self.delta_tag.to_le_bytes());
+            put_varint(b, self.seq.into());
+            put_varint(b, self.tensor.into());
+            put_varint(b, self.start);
+            put_varint(b, self.len.into());
+            b.push(self.kind as u8 | (self.encoding as u8) << 2 | (self.mode as u8) << 5);
+            put_varint(b, self.n_changed.into());
+            b.extend_from_slice(&self.payload);
+        })
     }
 
     /// Bytes of this chunk's frame (what `to_frame` returns).
