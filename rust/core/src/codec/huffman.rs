@@ -459,8 +459,8 @@ impl Code {
             // values), then each set's values in increasing order with
             // the next code in a register, where one counter per weight
             // in memory made a chain of the values of one weight (most
-            // rare values share the longest codes): Code::new 2.7 against
-            // 2.x us for 255 values.
+            // rare values share the longest codes): the codes of 255 values
+            // from their lengths in about 0.55 us against 1.05.
             // Safety: the CPU has AVX-512 F and BW (just checked).
             #[allow(unsafe_code)]
             let sets = unsafe { avx512::weight_sets(weights) };
@@ -769,8 +769,8 @@ fn fse_weights_at(weights: &[u8], counts: &[u32; WEIGHT_SYMBOLS], log: u32) -> V
     // `n - 3` (the first written) and `b` for the others, two weights'
     // bits per write, and each weight's bit count from one add (the
     // chains waited on an array slot, on the bit writer and on a count
-    // found from the state's high bit: 1.7 against 0.x us per
-    // description of 255 weights).
+    // found from the state's high bit): the description of 255 weights
+    // in about 1.15 us against 1.65.
     let first_state = |i: usize| states[first[usize::from(weights[i])]];
     let (mut a, mut b) = (first_state(n - 1), first_state(n - 2));
     let mut sink = out.sink(n * log as usize + 2 * log as usize + 1);
