@@ -42,7 +42,7 @@ fn avx2_available() -> bool {
 use crate::digest::{DigestMoves, DigestSum};
 pub use scan::{find_changes, find_changes_tracked};
 use crate::error::{Error, Result};
-use streams::{get_varint, put_mostly_zero, put_stored, put_stream, put_symbols, put_varint, varint_len, StreamReader};
+use streams::{get_varint, put_mostly_zero, put_stream, put_symbols, put_varint, varint_len, StreamReader};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
@@ -377,12 +377,15 @@ fn with_position_gaps<R>(positions: &[u32], f: impl FnOnce(&[u32], (u32, u64)) -
 /// A rice payload's position part (its planes follow): the parameter `k`,
 /// then the Rice codes of the `gaps` (`bits` of them), stored (zstd finds
 /// nothing in them).
-fn rice_positions(gaps: &[u32], k: u32, bits: u64) -> Vec<u8> {
+fn rice_positions(gaps: &[u32], k: u32, bits: u64, width: usize) -> Vec<u8> {
     let mut codes = rice::RiceWriter::new();
     codes.put_gaps(gaps, k, bits);
-    let mut out = vec![k as u8];
-    put_stored(&mut out, &codes.finish());
-    debug_assert_eq!(out.len(), rice_positions_len(gaps.len(), k, bits));
+    // Room for the value planes that follow (at most a stored stream each).
+    let len = rice_positions_len(gaps.len(), k, bits);
+    let mut out = Vec::with_capacity(len);
+    out.push(k as u8);
+    codes.finish_stored_into(&mut out);
+    debug_assert_eq!(out.len(), len);
     out
 }
 
@@ -726,7 +729,7 @@ fn encode_positions(
                 let rice_len = rice_positions_len(m, k, bits);
                 match gap_bytes_could_beat(gaps, rice_len - rice_len / 100 * gap_bytes_margin_percent(level)).then(|| sparse_positions(positions, level)) {
                     Some(sparse) if sparse.len() < rice_len => (Encoding::Sparse, sparse),
-                    _ => (Encoding::Rice, rice_positions(gaps, k, bits)),
+                    _ => (Encoding::Rice, rice_positions(gaps, k, bits, width)),
                 }
             })
         } else {

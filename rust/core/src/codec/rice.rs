@@ -260,14 +260,27 @@ impl RiceWriter {
     /// the unary parts' (likewise).
     pub(super) fn finish(self) -> Vec<u8> {
         let mut out = self.lows.finish();
-        let end = out.len() + self.unary_bits.div_ceil(8) as usize;
-        out.reserve(8 * self.unary.len());
-        for word in &self.unary {
-            out.extend_from_slice(&word.to_le_bytes());
-        }
-        out.truncate(end);
+        append_unary(&mut out, &self.unary, self.unary_bits);
         out
     }
+
+    /// `put_stored(out, &self.finish())`, the sections copied once.
+    pub(super) fn finish_stored_into(self, out: &mut Vec<u8>) {
+        let lows = self.lows.finish();
+        super::streams::put_stored_header(out, lows.len() + self.unary_bits.div_ceil(8) as usize);
+        out.extend_from_slice(&lows);
+        append_unary(out, &self.unary, self.unary_bits);
+    }
+}
+
+/// The first `bits` of the unary parts `unary`, in bytes, appended to `out`.
+fn append_unary(out: &mut Vec<u8>, unary: &[u64], bits: u64) {
+    let end = out.len() + bits.div_ceil(8) as usize;
+    out.reserve(8 * unary.len());
+    for word in unary {
+        out.extend_from_slice(&word.to_le_bytes());
+    }
+    out.truncate(end);
 }
 
 /// The unary parts of `gaps` (parameter `k`) into `unary` from bit `at`

@@ -369,9 +369,14 @@ fn nonzero_bytes(body: &[u8], raw_len: usize, context: &str) -> Result<(Vec<u8>,
 /// A stream stored as is, for data that zstd cannot shrink (range-coder
 /// output, raw sign bits): trying would only cost time.
 pub fn put_stored(out: &mut Vec<u8>, data: &[u8]) {
-    out.push(STORED);
-    put_varint(out, data.len() as u64);
+    put_stored_header(out, data.len());
     out.extend_from_slice(data);
+}
+
+/// The head of a stored stream of `len` bytes, which the caller appends.
+pub(super) fn put_stored_header(out: &mut Vec<u8>, len: usize) {
+    out.push(STORED);
+    put_varint(out, len as u64);
 }
 
 /// Reads streams from a payload, front to back.
