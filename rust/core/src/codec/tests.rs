@@ -278,7 +278,7 @@ fn a_few_changes_pick_rice_with_far_gaps() {
         let span = u64::from(*found.positions.last().unwrap()) + 1;
         let gaps = super::position_gaps(&found.positions);
         let (k, bits) = super::rice::best_rice_parameter(&gaps, span, gaps.len() as u64);
-        assert!(super::rice_positions(&gaps, k, bits, 2).len() < super::sparse_positions(&found.positions, 1).len());
+        assert!(super::rice_positions(&gaps, k, bits).len() < super::sparse_positions(&found.positions, 1).len());
         let mut t = old.clone();
         apply_chunk(&mut t, 2, kind, c.encoding, c.n_changed, &c.payload, "t").unwrap();
         assert_eq!(t, new);
@@ -803,7 +803,7 @@ fn geometric_gaps_pick_rice_and_repeating_gaps_pick_gap_bytes() {
         let gaps = super::position_gaps(&positions);
         let span = u64::from(*positions.last().unwrap()) + 1;
         let (k, bits) = super::rice::best_rice_parameter(&gaps, span, gaps.len() as u64);
-        let rice_len = super::rice_positions(&gaps, k, bits, 2).len();
+        let rice_len = super::rice_positions(&gaps, k, bits).len();
         if expected == Encoding::Sparse {
             assert!(super::gap_bytes_could_beat(&gaps, rice_len));
         }
