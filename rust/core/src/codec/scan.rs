@@ -415,7 +415,10 @@ pub(super) mod scan_gather_avx512 {
     pub(in crate::codec) fn available() -> bool {
         static AVAILABLE: OnceLock<bool> = OnceLock::new();
         *AVAILABLE.get_or_init(|| {
-            super::super::gather_x86::available() && is_x86_feature_detected!("avx512vbmi2") && is_x86_feature_detected!("popcnt")
+            super::super::gather_x86::available()
+                && is_x86_feature_detected!("avx512vbmi")
+                && is_x86_feature_detected!("avx512vbmi2")
+                && is_x86_feature_detected!("popcnt")
         })
     }
 
@@ -431,7 +434,7 @@ pub(super) mod scan_gather_avx512 {
     /// The CPU has what `available` checks; `W` is 1, 2 or 4; every unit
     /// index `first + base + k` for `k` below the stripe's word count is
     /// below 2^32.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2,popcnt")]
     pub(in crate::codec) unsafe fn scan_and_gather<const W: usize, const TRACK: bool>(
         old: &[u8],
         new: &[u8],
@@ -603,7 +606,8 @@ pub(super) mod scan_gather_avx512 {
         /// bytes in u32 lanes).
         ///
         /// # Safety
-        /// `reserve` made room for them; the CPU has AVX-512 F, BW, VL.
+        /// `reserve` made room for them; the CPU has AVX-512 F, BW, VL and
+        /// VBMI.
         unsafe fn store16<const W: usize>(&mut self, i: usize, m: __mmask16, v: __m512i);
         /// The `n` values stored since `reserve` become part of the output.
         ///
@@ -633,9 +637,23 @@ pub(super) mod scan_gather_avx512 {
         }
         #[inline(always)]
         unsafe fn store16<const W: usize>(&mut self, i: usize, m: __mmask16, v: __m512i) {
-            for (j, plane) in self.0[..W].iter_mut().enumerate() {
-                let bytes = _mm512_cvtepi32_epi8(_mm512_srl_epi32(v, _mm_cvtsi32_si128(8 * j as i32)));
-                _mm_mask_storeu_epi8(plane.as_mut_ptr().add(plane.len() + i).cast(), m, bytes);
+            // Byte j of each lane to the j-th 16 bytes, one permute (where a
+            // shift and a narrowing per plane took three operations on the
+            // port the compresses use: the free diff 0.992-1.000 of the
+            // time, paired, fp32m 10->15, 12->15, 10->11).
+            let index = _mm512_set_epi8(
+                63, 59, 55, 51, 47, 43, 39, 35, 31, 27, 23, 19, 15, 11, 7, 3, 62, 58, 54, 50, 46, 42, 38, 34, 30, 26, 22, 18, 14, 10, 6, 2,
+                61, 57, 53, 49, 45, 41, 37, 33, 29, 25, 21, 17, 13, 9, 5, 1, 60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0,
+            );
+            let bytes = _mm512_permutexvar_epi8(index, v);
+            let at = |plane: &mut Vec<u8>| plane.as_mut_ptr().add(plane.len() + i).cast();
+            _mm_mask_storeu_epi8(at(&mut self.0[0]), m, _mm512_castsi512_si128(bytes));
+            if W >= 2 {
+                _mm_mask_storeu_epi8(at(&mut self.0[1]), m, _mm512_extracti32x4_epi32::<1>(bytes));
+            }
+            if W == 4 {
+                _mm_mask_storeu_epi8(at(&mut self.0[2]), m, _mm512_extracti32x4_epi32::<2>(bytes));
+                _mm_mask_storeu_epi8(at(&mut self.0[3]), m, _mm512_extracti32x4_epi32::<3>(bytes));
             }
         }
         unsafe fn commit(&mut self, n: usize) {
