@@ -200,7 +200,8 @@ fn put_nonzero(out: &mut Vec<u8>, data: &[u8], most: usize) -> Option<(usize, us
     put_varint(out, w.values.len() as u64);
     out.extend_from_slice(&w.gaps);
     out.extend_from_slice(&w.values);
-    debug_assert!(out.len() - start <= 1 + 20 + data.len() / 8 + 10 * (data.len() / 255 + 1));
+    // At most `most` gaps (with their escapes) and as many bytes.
+    debug_assert!(out.len() - start <= 1 + 20 + 2 * most + 10 * (data.len() / 255 + 1));
     Some((w.values.len(), w.runs))
 }
 
