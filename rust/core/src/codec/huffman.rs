@@ -465,9 +465,9 @@ impl Code {
             #[allow(unsafe_code)]
             let sets = unsafe { avx512::weight_sets(weights) };
             let mut position = 0;
-            for w in 1..=usize::from(table_log) {
+            for (w, set) in sets.iter().enumerate().take(usize::from(table_log) + 1).skip(1) {
                 let mut value = position >> (w - 1);
-                for (word, &bits) in sets[w].iter().enumerate() {
+                for (word, &bits) in set.iter().enumerate() {
                     let mut bits = bits;
                     while bits != 0 {
                         assign(64 * word + bits.trailing_zeros() as usize, value);

@@ -1473,7 +1473,9 @@ mod tests {
             let span = positions.last().map_or(0, |&p| u64::from(p) + 1);
             let want = if m == 0 { None } else { Some(best_rice_parameter(&gaps, span, m as u64)) };
             let k0 = first_candidate(span, m.max(1) as u64);
-            let mut kernels: Vec<(&str, fn(&[u32], &mut Vec<u32>, u32) -> [u64; 3])> = vec![("portable", gaps_and_costs_any)];
+            type Kernel = fn(&[u32], &mut Vec<u32>, u32) -> [u64; 3];
+            #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+            let mut kernels: Vec<(&str, Kernel)> = vec![("portable", gaps_and_costs_any)];
             #[cfg(target_arch = "x86_64")]
             {
                 #[allow(unsafe_code)]
