@@ -1472,7 +1472,7 @@ mod tests {
             let gaps = super::super::position_gaps(&positions);
             let span = positions.last().map_or(0, |&p| u64::from(p) + 1);
             let want = if m == 0 { None } else { Some(best_rice_parameter(&gaps, span, m as u64)) };
-            let k0 = first_candidate(span, m.max(1) as u64);
+            let k0 = if m == 0 { 0 } else { first_candidate(span, m as u64) };
             type Kernel = fn(&[u32], &mut Vec<u32>, u32) -> [u64; 3];
             #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
             let mut kernels: Vec<(&str, Kernel)> = vec![("portable", gaps_and_costs_any)];
