@@ -225,12 +225,6 @@ mod avx512 {
     /// Room for the other bytes between their counts.
     const OTHERS: usize = 4096;
 
-    /// `super::histogram` for streams where a few values are most of the
-    /// bytes (the low byte planes: 1, 3, 7 and 15 are four fifths): the
-    /// `COMMON` values most frequent in the first `SAMPLE` bytes are counted
-    /// 64 bytes at a time by compares, the other bytes packed together and
-    /// counted one at a time. Exact whatever the data; where the sample's
-    /// common values are under half of it, counted one at a time.
     /// Per weight `w` (up to 11), the byte values of that weight as a
     /// 256-bit set, least significant first.
     ///
@@ -242,6 +236,12 @@ mod avx512 {
         std::array::from_fn(|w| std::array::from_fn(|k| _mm512_cmpeq_epi8_mask(blocks[k], _mm512_set1_epi8(w as i8))))
     }
 
+    /// `super::histogram` for streams where a few values are most of the
+    /// bytes (the low byte planes: 1, 3, 7 and 15 are four fifths): the
+    /// `COMMON` values most frequent in the first `SAMPLE` bytes are counted
+    /// 64 bytes at a time by compares, the other bytes packed together and
+    /// counted one at a time. Exact whatever the data; where the sample's
+    /// common values are under half of it, counted one at a time.
     pub(super) fn histogram(data: &[u8]) -> [u32; 256] {
         // Safety: the caller checked `scan_gather_avx512::available`
         // (AVX-512 F, BW, VL, VBMI2 and POPCNT).
@@ -435,7 +435,7 @@ impl Code {
     /// The code of these lengths (a complete code, two values or more),
     /// with the AVX-512 assignment where `vector` (the CPU has AVX-512 F
     /// and BW).
-    fn from_lengths(lengths: [u8; 256], vector: bool) -> Code {
+    fn from_lengths(lengths: [u8; 256], #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] vector: bool) -> Code {
         let table_log = *lengths.iter().max().expect("256 lengths");
         let mut code = Code { entries: [0; 256], weights: [0; 256], last: 0, lengths, low_bytes: [0; 256], high_bytes: [0; 256] };
         // Codes as zstd's decoders assign them: table positions go to the
@@ -480,7 +480,6 @@ impl Code {
             debug_assert_eq!(position, 1 << table_log, "a complete code");
             return code;
         }
-        let _ = vector;
         let mut per_weight = [0usize; WEIGHT_SYMBOLS + 1];
         for &w in weights.iter() {
             per_weight[usize::from(w)] += 1;
@@ -941,13 +940,7 @@ mod tests {
 
     #[test]
     fn leaves_come_by_count_then_value() {
-        let mut x = 0x2545_F491_4F6C_DD1Du64;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = crate::codec::tests::xorshift(0x2545_F491_4F6C_DD1D);
         for round in 0..200 {
             // Absent values, ties, counts on both sides of 256 and far over.
             let counts: [u32; 256] = std::array::from_fn(|_| match next() % 8 {

@@ -51,7 +51,7 @@ fn rice_costs_avx2(gaps: &[u32], k0: u32) -> [u64; 3] {
 }
 
 /// Sums of `h = g >> k0` over gaps, of `h & 1` and of `h & 3`.
-#[derive(Clone, Copy, Default)]
+#[derive(Default)]
 struct UnarySums {
     high: u64,
     odd: u64,
