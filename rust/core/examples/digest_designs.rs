@@ -1,14 +1,16 @@
-//! The measurements behind keeping the tensor digest as it is (see
-//! `benches/RESULTS.md`, "Twenty-eighth session"): what a digest move costs
-//! per change with today's definition (four lanes of MurmurHash3's
-//! finaliser, timed through the crate's own `DigestMoves`, whose widest
-//! kernel for this CPU runs) against a per-unit hash of AES rounds, and whether two AES
-//! rounds mix enough. `cargo run --release -p dcr-core --example
-//! digest_designs` on an x86-64 CPU with AVX2 (the VAES rows need VAES).
+//! The measurements behind the tensor digest's design (see
+//! `benches/RESULTS.md`, "Twenty-eighth session" and "Thirty-fifth
+//! session"): what a digest move costs per change through the crate's own
+//! `DigestMoves` (whose widest kernel for this CPU runs; three AES rounds
+//! since delta format version 9) against the same hash with one to four
+//! rounds in kernels written here, and whether two or three rounds mix
+//! enough. `cargo run --release -p dcr-core --example digest_designs` on
+//! an x86-64 CPU with AVX2 and AES-NI (the VAES rows need VAES).
 //!
-//! The AES candidate: the unit `u` at index `i` as the 128-bit state
-//! `(u, i, c, c')` XOR a key, then `R` `aesenc` rounds; the result's four
-//! 32-bit lanes are summed as today's lanes are.
+//! The hash is the crate's definition with `R` rounds: the unit `u` at
+//! index `i` as the 128-bit state `(u, i, 0, 0)`, then `R` `aesenc` rounds
+//! with the first `4R` SHA-256 round constants as keys; the result's four
+//! 32-bit lanes are summed.
 
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code, unsafe_op_in_unsafe_fn)]
@@ -19,15 +21,21 @@ mod x86 {
 
     use dcr_core::digest::{DigestMoves, DigestSum};
 
-    /// Today's moves, through the crate's kernel (offsets ascending).
-    fn today_moves(pos: &[u32], old: &[u32], new: &[u32]) -> DigestSum {
+    /// The crate's moves, through its widest kernel (offsets ascending).
+    fn crate_moves(pos: &[u32], old: &[u32], new: &[u32]) -> DigestSum {
         let mut moves = DigestMoves::new(4);
         moves.words_at(0, pos, old, new);
         moves.finish()
     }
 
+    /// Round key `r` (0-based): SHA-256 round constants `4r..4r+3`, as the
+    /// crate's first three are.
     fn round_key(r: usize) -> [i32; 4] {
-        [0x0f0f_0f0f + r as i32, 0x1357_9bdf, 0x5a5a * r as i32, 0x2718_2818 ^ r as i32]
+        const K: [u32; 16] = [
+            0x428A_2F98, 0x7137_4491, 0xB5C0_FBCF, 0xE9B5_DBA5, 0x3956_C25B, 0x59F1_11F1, 0x923F_82A4, 0xAB1C_5ED5, 0xD807_AA98, 0x1283_5B01,
+            0x2431_85BE, 0x550C_7DC3, 0x72BE_5D74, 0x80DE_B1FE, 0x9BDC_06A7, 0xC19B_F174,
+        ];
+        std::array::from_fn(|l| K[4 * r + l] as i32)
     }
 
     /// The eight units of `v` at indices `vi`, one per 128-bit state, in
@@ -42,13 +50,12 @@ mod x86 {
     /// The AES candidate's moves, two states per VAES instruction.
     #[target_feature(enable = "avx2,aes,vaes")]
     unsafe fn vaes_moves<const R: usize>(pos: &[u32], old: &[u32], new: &[u32]) -> __m256i {
-        let keys: [__m256i; 5] = std::array::from_fn(|r| {
+        let keys: [__m256i; 4] = std::array::from_fn(|r| {
             let k = round_key(r);
             _mm256_setr_epi32(k[0], k[1], k[2], k[3], k[0], k[1], k[2], k[3])
         });
         let hash = |mut s: __m256i| {
-            s = _mm256_xor_si256(s, keys[0]);
-            for key in &keys[1..=R] {
+            for key in &keys[..R] {
                 s = _mm256_aesenc_epi128(s, *key);
             }
             s
@@ -69,13 +76,12 @@ mod x86 {
     /// without VAES).
     #[target_feature(enable = "avx2,aes")]
     unsafe fn aesni_moves<const R: usize>(pos: &[u32], old: &[u32], new: &[u32]) -> __m128i {
-        let keys: [__m128i; 5] = std::array::from_fn(|r| {
+        let keys: [__m128i; 4] = std::array::from_fn(|r| {
             let k = round_key(r);
             _mm_setr_epi32(k[0], k[1], k[2], k[3])
         });
         let hash = |mut s: __m128i| {
-            s = _mm_xor_si128(s, keys[0]);
-            for key in &keys[1..=R] {
+            for key in &keys[..R] {
                 s = _mm_aesenc_si128(s, *key);
             }
             s
@@ -98,10 +104,8 @@ mod x86 {
     /// One unit's AES candidate hash, `R` rounds.
     #[target_feature(enable = "aes")]
     unsafe fn aes_unit(rounds: usize, i: u32, u: u32) -> [u32; 4] {
-        let mut s = _mm_setr_epi32(u as i32, i as i32, 0x4C95_7F2D, 0x5851_F42D);
-        let k0 = round_key(0);
-        s = _mm_xor_si128(s, _mm_setr_epi32(k0[0], k0[1], k0[2], k0[3]));
-        for r in 1..=rounds {
+        let mut s = _mm_setr_epi32(u as i32, i as i32, 0, 0);
+        for r in 0..rounds {
             let k = round_key(r);
             s = _mm_aesenc_si128(s, _mm_setr_epi32(k[0], k[1], k[2], k[3]));
         }
@@ -163,12 +167,12 @@ mod x86 {
         println!("ns per change (both hashes and the sums), {n} changes in L1, three rounds of timings:");
         for _ in 0..3 {
             // Safety: AVX2 and AES-NI were detected above, VAES where used.
-            let today = time(&|| {
-                std::hint::black_box(today_moves(std::hint::black_box(&pos), &old, &new));
+            let current = time(&|| {
+                std::hint::black_box(crate_moves(std::hint::black_box(&pos), &old, &new));
             });
             let aesni3 = time(&|| unsafe { std::hint::black_box(aesni_moves::<3>(std::hint::black_box(&pos), &old, &new)); });
             let aesni4 = time(&|| unsafe { std::hint::black_box(aesni_moves::<4>(std::hint::black_box(&pos), &old, &new)); });
-            let mut line = format!("  today (fmix32 x 4 lanes, dcr_core) {today:.3}   AES-NI 128-bit R=3 {aesni3:.3} R=4 {aesni4:.3}");
+            let mut line = format!("  dcr_core (R=3, widest kernel) {current:.3}   AES-NI 128-bit R=3 {aesni3:.3} R=4 {aesni4:.3}");
             if vaes {
                 let v: Vec<f64> = vec![
                     time(&|| unsafe { std::hint::black_box(vaes_moves::<1>(std::hint::black_box(&pos), &old, &new)); }),

@@ -16,7 +16,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 pub const MAGIC: &[u8; 8] = b"DCRDELTA";
-pub const FORMAT_VERSION: u16 = 8;
+pub const FORMAT_VERSION: u16 = 9;
 pub const PREAMBLE_LEN: usize = 10;
 /// Largest frame body accepted (a chunk's payload is bounded by its input
 /// range, at most `MAX_CHUNK_BYTES`, plus stream headers).

@@ -356,11 +356,16 @@ fn a_wrong_version_or_foreign_file_is_refused() {
     let io = SimIo::new();
     let (j, _) = ReceiverJournal::open(jpath(), io.clone()).unwrap();
     drop(j);
-    let mut b = io.file_bytes(&jpath()).unwrap();
-    b[8] = 7;
-    io.put_file_bytes(&jpath(), &b);
-    let e = ReceiverJournal::open(jpath(), io.clone()).unwrap_err();
-    assert!(matches!(e, Error::JournalVersion { found: 7, supported: 1, .. }), "{e}");
+    let good = io.file_bytes(&jpath()).unwrap();
+    // Version 1 (written with the digests of delta format 8 and earlier)
+    // and a future version.
+    for version in [1u8, 7] {
+        let mut b = good.clone();
+        b[8] = version;
+        io.put_file_bytes(&jpath(), &b);
+        let e = ReceiverJournal::open(jpath(), io.clone()).unwrap_err();
+        assert!(matches!(e, Error::JournalVersion { found, supported: 2, .. } if found == u16::from(version)), "{e}");
+    }
     io.put_file_bytes(&jpath(), b"{\"not\": \"a journal\"}");
     let e = ReceiverJournal::open(jpath(), io.clone()).unwrap_err().to_string();
     assert!(e.contains("not a dcr journal") && e.contains("offset 0"), "{e}");

@@ -15,7 +15,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::digest::avx2::{add_moves, moves_sum, zero_moves};
+use crate::digest::avx2::{moves_sum, zero_moves, AesNi, MoveHash, Vaes};
 use crate::digest::DigestSum;
 
 /// How many changes ahead the kernel prefetches the words it will load.
@@ -29,11 +29,37 @@ const PREFETCH_AHEAD: usize = 64;
 /// but the last `positions.len() % 8`, the caller's).
 ///
 /// # Safety
-/// The CPU has AVX2 (`codec::avx2_available`); `W` is 1, 2 or 4; every unit index
+/// The CPU has AVX2 and AES-NI (`codec::avx2_available`); `W` is 1, 2 or 4; every unit index
 /// `first + positions[k]` is below 2^32. (Positions outside `target` panic,
 /// as the portable loop's do.)
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,aes")]
 pub(super) unsafe fn apply_sparse<const W: usize>(
+    target: &mut [u8],
+    positions: &[u32],
+    planes: &[&[u8]],
+    xor: bool,
+    first: u32,
+) -> (DigestSum, usize) {
+    apply_sparse_with::<W, AesNi>(target, positions, planes, xor, first)
+}
+
+/// `apply_sparse` with the digest moves hashed by VAES.
+///
+/// # Safety
+/// As `apply_sparse`, and the CPU has VAES (`digest::avx2::vaes_available`).
+#[target_feature(enable = "avx2,aes,vaes")]
+pub(super) unsafe fn apply_sparse_vaes<const W: usize>(
+    target: &mut [u8],
+    positions: &[u32],
+    planes: &[&[u8]],
+    xor: bool,
+    first: u32,
+) -> (DigestSum, usize) {
+    apply_sparse_with::<W, Vaes>(target, positions, planes, xor, first)
+}
+
+#[inline(always)]
+unsafe fn apply_sparse_with<const W: usize, H: MoveHash>(
     target: &mut [u8],
     positions: &[u32],
     planes: &[&[u8]],
@@ -93,7 +119,7 @@ pub(super) unsafe fn apply_sparse<const W: usize>(
                 _ => at.cast::<u32>().write_unaligned(v),
             }
         }
-        add_moves(&mut acc, _mm256_add_epi32(vfirst, vp), vo, vn);
+        H::add_moves(&mut acc, _mm256_add_epi32(vfirst, vp), vo, vn);
         i += 8;
     }
     (moves_sum(&acc), n)
@@ -165,28 +191,37 @@ mod tests {
                     }
                     let planes: Vec<Vec<u8>> = (0..w).map(|j| vals.iter().map(|v| (v >> (8 * j)) as u8).collect()).collect();
                     let planes: Vec<&[u8]> = planes.iter().map(|p| &p[..]).collect();
-                    let mut got = old.clone();
-                    // Safety: `available()` was checked above; every unit
-                    // index is below 2^32.
-                    let (moved, done) = unsafe {
-                        match w {
-                            1 => apply_sparse::<1>(&mut got, &pos, &planes, xor, first as u32),
-                            2 => apply_sparse::<2>(&mut got, &pos, &planes, xor, first as u32),
-                            _ => apply_sparse::<4>(&mut got, &pos, &planes, xor, first as u32),
+                    let want_move = want_moves.finish();
+                    for vaes in [false, true] {
+                        if vaes && !crate::digest::avx2::vaes_available() {
+                            continue;
                         }
-                    };
-                    assert_eq!(done, pos.len() / 8 * 8);
-                    let mut moves = DigestMoves::new(w);
-                    moves.add(moved);
-                    for (k, &p) in pos.iter().enumerate().skip(done) {
-                        let o = word(&got, p);
-                        let nw = if xor { o ^ vals[k] } else { vals[k] };
-                        got[p as usize * w..][..w].copy_from_slice(&nw.to_le_bytes()[..w]);
-                        moves.word(first + u64::from(p), u64::from(o), u64::from(nw));
+                        let mut got = old.clone();
+                        // Safety: `available()` was checked above (and VAES
+                        // for that build); every unit index is below 2^32.
+                        let (moved, done) = unsafe {
+                            match (w, vaes) {
+                                (1, false) => apply_sparse::<1>(&mut got, &pos, &planes, xor, first as u32),
+                                (2, false) => apply_sparse::<2>(&mut got, &pos, &planes, xor, first as u32),
+                                (_, false) => apply_sparse::<4>(&mut got, &pos, &planes, xor, first as u32),
+                                (1, true) => apply_sparse_vaes::<1>(&mut got, &pos, &planes, xor, first as u32),
+                                (2, true) => apply_sparse_vaes::<2>(&mut got, &pos, &planes, xor, first as u32),
+                                (_, true) => apply_sparse_vaes::<4>(&mut got, &pos, &planes, xor, first as u32),
+                            }
+                        };
+                        assert_eq!(done, pos.len() / 8 * 8);
+                        let mut moves = DigestMoves::new(w);
+                        moves.add(moved);
+                        for (k, &p) in pos.iter().enumerate().skip(done) {
+                            let o = word(&got, p);
+                            let nw = if xor { o ^ vals[k] } else { vals[k] };
+                            got[p as usize * w..][..w].copy_from_slice(&nw.to_le_bytes()[..w]);
+                            moves.word(first + u64::from(p), u64::from(o), u64::from(nw));
+                        }
+                        assert_eq!(got, want, "w {w} n {n} xor {xor} vaes {vaes}");
+                        assert_eq!(moves.finish(), want_move, "digest move: w {w} n {n} xor {xor} vaes {vaes}");
+                        applied += done;
                     }
-                    assert_eq!(got, want, "w {w} n {n} xor {xor}");
-                    assert_eq!(moves.finish(), want_moves.finish(), "digest move: w {w} n {n} xor {xor}");
-                    applied += done;
                 }
             }
         }

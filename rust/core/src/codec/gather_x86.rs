@@ -20,11 +20,16 @@ use std::sync::OnceLock;
 use crate::digest::avx512::{add_moves, moves_sum, zero_moves};
 use crate::digest::DigestSum;
 
-/// Whether this CPU runs the gather kernels (AVX-512 F, BW and VL).
+/// Whether this CPU runs the gather kernels (AVX-512 F, BW and VL, and
+/// VAES for the digest moves: AVX-512 CPUs before Ice Lake take the AVX2
+/// kernels).
 pub(super) fn available() -> bool {
     static AVAILABLE: OnceLock<bool> = OnceLock::new();
     *AVAILABLE.get_or_init(|| {
-        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl")
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && crate::digest::avx512::available()
     })
 }
 
@@ -152,7 +157,7 @@ pub(super) unsafe fn store_widened(dst: *mut u64, m: __mmask16, v: __m512i) {
 ///
 /// # Safety
 /// `limit` is `position_limit(W, target.len(), first)`, and `W` is 1, 2 or 4.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,vaes,aes")]
 pub(super) unsafe fn apply_sparse<const W: i32>(
     target: &mut [u8],
     positions: &[u32],
@@ -219,7 +224,7 @@ pub(super) unsafe fn apply_sparse<const W: i32>(
 ///
 /// # Safety
 /// `fits(positions, W, old.len(), first)`, and `W` is 1, 2 or 4.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,vaes,aes")]
 pub(super) unsafe fn gather_block<const W: i32, const TRACK: bool>(
     old: &[u8],
     new: &[u8],

@@ -35,8 +35,10 @@ mod x86;
 /// and step decoding, the compiler-vectorised loops); detected once.
 #[cfg(target_arch = "x86_64")]
 fn avx2_available() -> bool {
+    // AES-NI too, for the digest moves of the AVX2 apply (every AVX2 CPU
+    // has it).
     static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AVAILABLE.get_or_init(|| std::arch::is_x86_feature_detected!("avx2"))
+    *AVAILABLE.get_or_init(|| std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("aes"))
 }
 
 use crate::digest::{DigestMoves, DigestSum};
@@ -1020,10 +1022,14 @@ fn apply_sparse_kernels(
     // below 2^32 (the positions ascend, so the last is the largest).
     #[allow(unsafe_code)]
     let applied = unsafe {
-        match w {
-            1 => apply_avx2::apply_sparse::<1>(target, positions, lanes, xor, first_element as u32),
-            2 => apply_avx2::apply_sparse::<2>(target, positions, lanes, xor, first_element as u32),
-            _ => apply_avx2::apply_sparse::<4>(target, positions, lanes, xor, first_element as u32),
+        let f = first_element as u32;
+        match (w, crate::digest::avx2::vaes_available()) {
+            (1, false) => apply_avx2::apply_sparse::<1>(target, positions, lanes, xor, f),
+            (2, false) => apply_avx2::apply_sparse::<2>(target, positions, lanes, xor, f),
+            (_, false) => apply_avx2::apply_sparse::<4>(target, positions, lanes, xor, f),
+            (1, true) => apply_avx2::apply_sparse_vaes::<1>(target, positions, lanes, xor, f),
+            (2, true) => apply_avx2::apply_sparse_vaes::<2>(target, positions, lanes, xor, f),
+            (_, true) => apply_avx2::apply_sparse_vaes::<4>(target, positions, lanes, xor, f),
         }
     };
     Some(applied)

@@ -411,7 +411,8 @@ pub(super) mod scan_gather_avx512 {
     /// Room for the stage plus one block's changes and a full store past them.
     const STAGE_BYTES: usize = (STAGE + 64) * 4 + 64;
 
-    /// Whether this CPU runs the kernel (AVX-512 F, BW, VL and VBMI2).
+    /// Whether this CPU runs the kernel (AVX-512 F, BW, VL, VBMI, VBMI2 and
+    /// VAES).
     pub(in crate::codec) fn available() -> bool {
         static AVAILABLE: OnceLock<bool> = OnceLock::new();
         *AVAILABLE.get_or_init(|| {
@@ -434,7 +435,7 @@ pub(super) mod scan_gather_avx512 {
     /// The CPU has what `available` checks; `W` is 1, 2 or 4; every unit
     /// index `first + base + k` for `k` below the stripe's word count is
     /// below 2^32.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2,popcnt")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2,popcnt,vaes,aes")]
     pub(in crate::codec) unsafe fn scan_and_gather<const W: usize, const TRACK: bool>(
         old: &[u8],
         new: &[u8],
@@ -686,7 +687,7 @@ pub(super) mod scan_gather_avx2 {
     //! `EAGER` went from eight to four): the diff of fp32m 10->15
     //! 0.81-0.84, 12->15 0.87-0.88, 10->11 0.87-0.90.
     use super::Planes;
-    use crate::digest::avx2::{add_moves, moves_sum, zero_moves, MoveAcc};
+    use crate::digest::avx2::{moves_sum, zero_moves, AesNi, MoveAcc, MoveHash, Vaes};
     use crate::digest::DigestSum;
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
@@ -704,10 +705,11 @@ pub(super) mod scan_gather_avx2 {
     /// against four 1.05 at 10->11, the same at 6-10 %.
     const EAGER: usize = 4;
 
-    /// Whether this CPU runs the kernel (AVX2 and POPCNT).
+    /// Whether this CPU runs the kernel (AVX2, POPCNT, and AES-NI for the
+    /// digest moves).
     pub(in crate::codec) fn available() -> bool {
         static AVAILABLE: OnceLock<bool> = OnceLock::new();
-        *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("popcnt"))
+        *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("popcnt") && is_x86_feature_detected!("aes"))
     }
 
     /// `scan_gather_avx512::scan_and_gather` with AVX2: scan the whole
@@ -723,8 +725,39 @@ pub(super) mod scan_gather_avx2 {
     /// The CPU has what `available` checks; `W` is 1, 2 or 4; every unit
     /// index `first + base + k` for `k` below the stripe's word count is
     /// below 2^32.
-    #[target_feature(enable = "avx2,popcnt")]
+    #[target_feature(enable = "avx2,popcnt,aes")]
     pub(in crate::codec) unsafe fn scan_and_gather<const W: usize, const TRACK: bool>(
+        old: &[u8],
+        new: &[u8],
+        base: u32,
+        overwrite: bool,
+        first: u32,
+        positions: &mut Vec<u32>,
+        values: &mut impl Sink8,
+    ) -> (usize, DigestSum) {
+        scan_and_gather_with::<W, TRACK, AesNi>(old, new, base, overwrite, first, positions, values)
+    }
+
+    /// `scan_and_gather` with the digest moves hashed by VAES.
+    ///
+    /// # Safety
+    /// As `scan_and_gather`, and the CPU has VAES
+    /// (`digest::avx2::vaes_available`).
+    #[target_feature(enable = "avx2,popcnt,aes,vaes")]
+    pub(in crate::codec) unsafe fn scan_and_gather_vaes<const W: usize, const TRACK: bool>(
+        old: &[u8],
+        new: &[u8],
+        base: u32,
+        overwrite: bool,
+        first: u32,
+        positions: &mut Vec<u32>,
+        values: &mut impl Sink8,
+    ) -> (usize, DigestSum) {
+        scan_and_gather_with::<W, TRACK, Vaes>(old, new, base, overwrite, first, positions, values)
+    }
+
+    #[inline(always)]
+    unsafe fn scan_and_gather_with<const W: usize, const TRACK: bool, H: MoveHash>(
         old: &[u8],
         new: &[u8],
         base: u32,
@@ -781,11 +814,11 @@ pub(super) mod scan_gather_avx2 {
             positions.set_len(len);
             staged += cnt;
             if staged >= STAGE {
-                flush::<W, TRACK>(staged_old, staged_new, staged, &positions[len - staged..len], overwrite, vfirst, values, &mut acc);
+                flush::<W, TRACK, H>(staged_old, staged_new, staged, &positions[len - staged..len], overwrite, vfirst, values, &mut acc);
                 staged = 0;
             }
         }
-        flush::<W, TRACK>(staged_old, staged_new, staged, &positions[len - staged..len], overwrite, vfirst, values, &mut acc);
+        flush::<W, TRACK, H>(staged_old, staged_new, staged, &positions[len - staged..len], overwrite, vfirst, values, &mut acc);
         (blocks * 64, moves_sum(&acc))
     }
 
@@ -818,7 +851,7 @@ pub(super) mod scan_gather_avx2 {
     /// AVX2.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    unsafe fn flush<const W: usize, const TRACK: bool>(
+    unsafe fn flush<const W: usize, const TRACK: bool, H: MoveHash>(
         staged_old: *mut u32,
         staged_new: *mut u32,
         n: usize,
@@ -853,7 +886,7 @@ pub(super) mod scan_gather_avx2 {
             values.store8::<W>(i, v);
             let at = if i < whole { positions.as_ptr().add(i) } else { tail.as_ptr() };
             let vp = _mm256_loadu_si256(at.cast());
-            add_moves(acc, _mm256_add_epi32(vfirst, vp), vo, vn);
+            H::add_moves(acc, _mm256_add_epi32(vfirst, vp), vo, vn);
             i += 8;
         }
         values.commit(n);
@@ -1014,14 +1047,14 @@ fn scan_and_gather(
     let overwrite = kind == ChangeKind::Overwrite;
     let f = first as u32;
     macro_rules! dispatch {
-        ($kernel:ident) => {
+        ($kernel:ident :: $function:ident) => {
             match (width, tracked_from.is_some()) {
-                (1, true) => $kernel::scan_and_gather::<1, true>(old, new, base, overwrite, f, positions, values),
-                (2, true) => $kernel::scan_and_gather::<2, true>(old, new, base, overwrite, f, positions, values),
-                (_, true) => $kernel::scan_and_gather::<4, true>(old, new, base, overwrite, f, positions, values),
-                (1, false) => $kernel::scan_and_gather::<1, false>(old, new, base, overwrite, f, positions, values),
-                (2, false) => $kernel::scan_and_gather::<2, false>(old, new, base, overwrite, f, positions, values),
-                (_, false) => $kernel::scan_and_gather::<4, false>(old, new, base, overwrite, f, positions, values),
+                (1, true) => $kernel::$function::<1, true>(old, new, base, overwrite, f, positions, values),
+                (2, true) => $kernel::$function::<2, true>(old, new, base, overwrite, f, positions, values),
+                (_, true) => $kernel::$function::<4, true>(old, new, base, overwrite, f, positions, values),
+                (1, false) => $kernel::$function::<1, false>(old, new, base, overwrite, f, positions, values),
+                (2, false) => $kernel::$function::<2, false>(old, new, base, overwrite, f, positions, values),
+                (_, false) => $kernel::$function::<4, false>(old, new, base, overwrite, f, positions, values),
             }
         };
     }
@@ -1031,9 +1064,11 @@ fn scan_and_gather(
     #[allow(unsafe_code)]
     let (scanned, moved) = unsafe {
         if scan_gather_avx512::available() {
-            dispatch!(scan_gather_avx512)
+            dispatch!(scan_gather_avx512::scan_and_gather)
+        } else if crate::digest::avx2::vaes_available() {
+            dispatch!(scan_gather_avx2::scan_and_gather_vaes)
         } else {
-            dispatch!(scan_gather_avx2)
+            dispatch!(scan_gather_avx2::scan_and_gather)
         }
     };
     moves.add(moved);

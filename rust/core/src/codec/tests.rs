@@ -558,7 +558,7 @@ fn vectorised_and_portable_scans_agree() {
 }
 
 /// Each one-pass scan-and-gather kernel this CPU runs (AVX-512 VBMI2,
-/// AVX2), called directly (the search runs only the widest): over the
+/// AVX2 with its digest moves by AES-NI and by VAES), called directly (the search runs only the widest): over the
 /// stripe's whole blocks, the positions, the value words (whole and as
 /// byte planes) and the digest move of a word-by-word compare, for words of
 /// 1, 2 and 4 bytes, both kinds, tracked and not, densities that leave
@@ -571,6 +571,9 @@ fn one_pass_kernels_match_a_word_by_word_compare() {
     let mut kernels: Vec<&str> = Vec::new();
     if scan_gather_avx2::available() {
         kernels.push("avx2");
+    }
+    if scan_gather_avx2::available() && crate::digest::avx2::vaes_available() {
+        kernels.push("avx2 vaes");
     }
     if scan_gather_avx512::available() {
         kernels.push("avx512");
@@ -612,33 +615,36 @@ fn one_pass_kernels_match_a_word_by_word_compare() {
                         let mut planes = vec![vec![5u8]; width];
                         let mut plane_positions = Vec::new();
                         macro_rules! run {
-                            ($k:ident, $w:literal) => {{
+                            ($k:ident :: $function:ident, $w:literal) => {{
                                 // Safety: the CPU has what the kernel needs
                                 // (`available`), the width is 1, 2 or 4 and the
                                 // unit indices stay below 2^32.
                                 #[allow(unsafe_code)]
                                 unsafe {
                                     let r = if first.is_some() {
-                                        $k::scan_and_gather::<$w, true>(&old, &new, base, overwrite, f, &mut positions, &mut words)
+                                        $k::$function::<$w, true>(&old, &new, base, overwrite, f, &mut positions, &mut words)
                                     } else {
-                                        $k::scan_and_gather::<$w, false>(&old, &new, base, overwrite, f, &mut positions, &mut words)
+                                        $k::$function::<$w, false>(&old, &new, base, overwrite, f, &mut positions, &mut words)
                                     };
                                     let p = if first.is_some() {
-                                        $k::scan_and_gather::<$w, true>(&old, &new, base, overwrite, f, &mut plane_positions, &mut Planes(&mut planes))
+                                        $k::$function::<$w, true>(&old, &new, base, overwrite, f, &mut plane_positions, &mut Planes(&mut planes))
                                     } else {
-                                        $k::scan_and_gather::<$w, false>(&old, &new, base, overwrite, f, &mut plane_positions, &mut Planes(&mut planes))
+                                        $k::$function::<$w, false>(&old, &new, base, overwrite, f, &mut plane_positions, &mut Planes(&mut planes))
                                     };
                                     (r, p)
                                 }
                             }};
                         }
                         let ((count, moved), (plane_count, plane_moved)) = match (kernel, width) {
-                            ("avx2", 1) => run!(scan_gather_avx2, 1),
-                            ("avx2", 2) => run!(scan_gather_avx2, 2),
-                            ("avx2", _) => run!(scan_gather_avx2, 4),
-                            (_, 1) => run!(scan_gather_avx512, 1),
-                            (_, 2) => run!(scan_gather_avx512, 2),
-                            (_, _) => run!(scan_gather_avx512, 4),
+                            ("avx2", 1) => run!(scan_gather_avx2::scan_and_gather, 1),
+                            ("avx2", 2) => run!(scan_gather_avx2::scan_and_gather, 2),
+                            ("avx2", _) => run!(scan_gather_avx2::scan_and_gather, 4),
+                            ("avx2 vaes", 1) => run!(scan_gather_avx2::scan_and_gather_vaes, 1),
+                            ("avx2 vaes", 2) => run!(scan_gather_avx2::scan_and_gather_vaes, 2),
+                            ("avx2 vaes", _) => run!(scan_gather_avx2::scan_and_gather_vaes, 4),
+                            (_, 1) => run!(scan_gather_avx512::scan_and_gather, 1),
+                            (_, 2) => run!(scan_gather_avx512::scan_and_gather, 2),
+                            (_, _) => run!(scan_gather_avx512::scan_and_gather, 4),
                         };
                         assert_eq!((count, plane_count), (scanned, scanned), "{what}: words scanned");
                         // What was in the outputs before stays in front.

@@ -23,8 +23,10 @@ use crate::error::{Error, Result};
 
 /// First 8 bytes of every journal.
 pub const MAGIC: [u8; 8] = *b"DCRJRNL\0";
-/// The format version this code reads and writes.
-pub const FORMAT_VERSION: u16 = 1;
+/// The format version this code reads and writes. Version 2: the records'
+/// checkpoint digests are those of delta format version 9 (AES rounds);
+/// version 1 held the earlier digests, which this code cannot check.
+pub const FORMAT_VERSION: u16 = 2;
 /// Length of the file header in bytes.
 pub const HEADER_LEN: usize = 16;
 /// Largest payload of one record; longer lengths are rejected before any
@@ -464,9 +466,13 @@ mod tests {
         let h = encode_header();
         assert_eq!(&h[..8], b"DCRJRNL\0");
         check_header(&p, &h).unwrap();
-        let mut bad = h;
-        bad[8..10].copy_from_slice(&2u16.to_le_bytes());
-        assert!(matches!(check_header(&p, &bad), Err(Error::JournalVersion { found: 2, supported: 1, .. })));
+        // An older journal (version 1: the digests of delta format 8 and
+        // earlier) and a newer one are both refused by number.
+        for found in [1u16, 3] {
+            let mut bad = h;
+            bad[8..10].copy_from_slice(&found.to_le_bytes());
+            assert!(matches!(check_header(&p, &bad), Err(Error::JournalVersion { found: f, supported: 2, .. }) if f == found));
+        }
         let mut bad = h;
         bad[13] ^= 1;
         assert!(matches!(check_header(&p, &bad), Err(Error::JournalCorrupt { offset: 12, .. })));
