@@ -121,6 +121,13 @@ def test_layout_mismatch_is_named():
     delta, _ = dcr.diff_tensors(old, {"a": np.ones(10, np.float32)})
     with pytest.raises(dcr.LayoutMismatchError):
         dcr.apply_tensors(delta, {"a": np.zeros(10, np.float64)})
+    # A torch tensor's shape (a torch.Size) against an array's (a list):
+    # equal shapes diff, and a mismatch names both as lists.
+    t = {"a": torch.zeros(2, 5)}
+    _, stats = dcr.diff_tensors(t, {"a": np.ones((2, 5), np.float32)})
+    assert stats["changed_elements"] == 10
+    with pytest.raises(dcr.LayoutMismatchError, match=r"old is F32\[2, 5\], new is F32\[10\]"):
+        dcr.diff_tensors(t, {"a": np.ones(10, np.float32)})
 
 
 def test_bad_inputs_give_clear_errors():

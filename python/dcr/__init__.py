@@ -107,8 +107,8 @@ def diff_tensors(
     names, dtypes, shapes, old_spans, _ = olds
     _, new_dtypes, new_shapes, new_spans, _ = news
     for n, a, b, sa, sb in zip(names, dtypes, new_dtypes, shapes, new_shapes):
-        if a != b or sa != sb:
-            raise LayoutMismatchError(f"tensor {n!r}: old is {a}{sa}, new is {b}{sb}; shapes and dtypes must match")
+        if a != b or (sa != sb and list(sa) != list(sb)):  # torch.Size or list
+            raise LayoutMismatchError(f"tensor {n!r}: old is {a}{list(sa)}, new is {b}{list(sb)}; shapes and dtypes must match")
     delta, stats = _core.diff_buffers(
         names,
         dtypes,
