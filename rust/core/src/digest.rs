@@ -858,6 +858,44 @@ pub(crate) mod avx512 {
         *acc = sum;
     }
 
+    /// How the AVX-512 gather and apply kernels hash their digest moves:
+    /// VAES (`add_moves`) where the CPU has it, else AES-NI on the 128-bit
+    /// quarters (the AVX-512 CPUs before Ice Lake: Skylake-X, Cascade
+    /// Lake). The kernels come in one build per hash.
+    pub(crate) trait MoveHash {
+        /// `add_moves`, by this hash.
+        ///
+        /// # Safety
+        /// The CPU has AVX-512 F and AES-NI, and VAES for `Vaes`; the
+        /// caller enables them.
+        unsafe fn add_moves(acc: &mut MoveAcc, vi: __m512i, vo: __m512i, vn: __m512i);
+    }
+
+    /// Four states per VAES instruction.
+    pub(crate) struct Vaes;
+    /// One state per AES-NI instruction.
+    pub(crate) struct AesNi;
+
+    impl MoveHash for Vaes {
+        #[inline(always)]
+        unsafe fn add_moves(acc: &mut MoveAcc, vi: __m512i, vo: __m512i, vn: __m512i) {
+            add_moves(acc, vi, vo, vn);
+        }
+    }
+
+    impl MoveHash for AesNi {
+        #[inline(always)]
+        unsafe fn add_moves(acc: &mut MoveAcc, vi: __m512i, vo: __m512i, vn: __m512i) {
+            use super::avx2::MoveHash as _;
+            let mut sum = super::avx2::zero_moves();
+            let low = |v: __m512i| _mm512_castsi512_si256(v);
+            let high = |v: __m512i| _mm512_extracti64x4_epi64::<1>(v);
+            super::avx2::AesNi::add_moves(&mut sum, low(vi), low(vo), low(vn));
+            super::avx2::AesNi::add_moves(&mut sum, high(vi), high(vo), high(vn));
+            *acc = _mm512_add_epi32(*acc, _mm512_inserti64x4::<0>(_mm512_setzero_si512(), sum));
+        }
+    }
+
     /// The digest move held in `acc`.
     #[inline(always)]
     pub(crate) unsafe fn moves_sum(acc: &MoveAcc) -> DigestSum {

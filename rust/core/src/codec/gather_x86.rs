@@ -17,19 +17,18 @@
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
-use crate::digest::avx512::{add_moves, moves_sum, zero_moves};
+use crate::digest::avx512::{moves_sum, zero_moves, AesNi, MoveHash, Vaes};
 use crate::digest::DigestSum;
 
 /// Whether this CPU runs the gather kernels (AVX-512 F, BW and VL, and
-/// VAES for the digest moves: AVX-512 CPUs before Ice Lake take the AVX2
-/// kernels).
+/// AES-NI for the digest moves; they hash by VAES where the CPU has it).
 pub(super) fn available() -> bool {
     static AVAILABLE: OnceLock<bool> = OnceLock::new();
     *AVAILABLE.get_or_init(|| {
         is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vl")
-            && crate::digest::avx512::available()
+            && is_x86_feature_detected!("aes")
     })
 }
 
@@ -157,8 +156,55 @@ pub(super) unsafe fn store_widened(dst: *mut u64, m: __mmask16, v: __m512i) {
 ///
 /// # Safety
 /// `limit` is `position_limit(W, target.len(), first)`, and `W` is 1, 2 or 4.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,vaes,aes")]
 pub(super) unsafe fn apply_sparse<const W: i32>(
+    target: &mut [u8],
+    positions: &[u32],
+    planes: &[&[u8]],
+    xor: bool,
+    first: u32,
+    limit: u32,
+) -> (DigestSum, usize) {
+    if crate::digest::avx512::available() {
+        apply_sparse_vaes::<W>(target, positions, planes, xor, first, limit)
+    } else {
+        apply_sparse_aesni::<W>(target, positions, planes, xor, first, limit)
+    }
+}
+
+/// `apply_sparse` with the digest moves by VAES.
+///
+/// # Safety
+/// As `apply_sparse`, and the CPU has VAES (`digest::avx512::available`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,aes,vaes")]
+pub(super) unsafe fn apply_sparse_vaes<const W: i32>(
+    target: &mut [u8],
+    positions: &[u32],
+    planes: &[&[u8]],
+    xor: bool,
+    first: u32,
+    limit: u32,
+) -> (DigestSum, usize) {
+    apply_sparse_with::<W, Vaes>(target, positions, planes, xor, first, limit)
+}
+
+/// `apply_sparse` with the digest moves by AES-NI.
+///
+/// # Safety
+/// As `apply_sparse`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,aes")]
+pub(super) unsafe fn apply_sparse_aesni<const W: i32>(
+    target: &mut [u8],
+    positions: &[u32],
+    planes: &[&[u8]],
+    xor: bool,
+    first: u32,
+    limit: u32,
+) -> (DigestSum, usize) {
+    apply_sparse_with::<W, AesNi>(target, positions, planes, xor, first, limit)
+}
+
+#[inline(always)]
+unsafe fn apply_sparse_with<const W: i32, H: MoveHash>(
     target: &mut [u8],
     positions: &[u32],
     planes: &[&[u8]],
@@ -192,7 +238,7 @@ pub(super) unsafe fn apply_sparse<const W: i32>(
             vv = _mm512_or_si512(vv, _mm512_sllv_epi32(bytes, _mm512_set1_epi32(8 * j as i32)));
         }
         let vn = if xor { _mm512_xor_si512(vo, vv) } else { vv };
-        add_moves(&mut acc, _mm512_add_epi32(vfirst, vp), vo, vn);
+        H::add_moves(&mut acc, _mm512_add_epi32(vfirst, vp), vo, vn);
         _mm512_storeu_si512(written.as_mut_ptr().cast(), vn);
         // Every position of the group is at most `limit`, checked above.
         let out = target.as_mut_ptr();
@@ -224,8 +270,55 @@ pub(super) unsafe fn apply_sparse<const W: i32>(
 ///
 /// # Safety
 /// `fits(positions, W, old.len(), first)`, and `W` is 1, 2 or 4.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,vaes,aes")]
 pub(super) unsafe fn gather_block<const W: i32, const TRACK: bool>(
+    old: &[u8],
+    new: &[u8],
+    positions: &[u32],
+    overwrite: bool,
+    first: u32,
+    out: &mut [u64],
+) -> DigestSum {
+    if crate::digest::avx512::available() {
+        gather_block_vaes::<W, TRACK>(old, new, positions, overwrite, first, out)
+    } else {
+        gather_block_aesni::<W, TRACK>(old, new, positions, overwrite, first, out)
+    }
+}
+
+/// `gather_block` with the digest moves by VAES.
+///
+/// # Safety
+/// As `gather_block`, and the CPU has VAES (`digest::avx512::available`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,aes,vaes")]
+pub(super) unsafe fn gather_block_vaes<const W: i32, const TRACK: bool>(
+    old: &[u8],
+    new: &[u8],
+    positions: &[u32],
+    overwrite: bool,
+    first: u32,
+    out: &mut [u64],
+) -> DigestSum {
+    gather_block_with::<W, TRACK, Vaes>(old, new, positions, overwrite, first, out)
+}
+
+/// `gather_block` with the digest moves by AES-NI.
+///
+/// # Safety
+/// As `gather_block`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,aes")]
+pub(super) unsafe fn gather_block_aesni<const W: i32, const TRACK: bool>(
+    old: &[u8],
+    new: &[u8],
+    positions: &[u32],
+    overwrite: bool,
+    first: u32,
+    out: &mut [u64],
+) -> DigestSum {
+    gather_block_with::<W, TRACK, AesNi>(old, new, positions, overwrite, first, out)
+}
+
+#[inline(always)]
+unsafe fn gather_block_with<const W: i32, const TRACK: bool, H: MoveHash>(
     old: &[u8],
     new: &[u8],
     positions: &[u32],
@@ -244,7 +337,7 @@ pub(super) unsafe fn gather_block<const W: i32, const TRACK: bool>(
         let v = if overwrite { vn } else { _mm512_xor_si512(vo, vn) };
         store_widened(out.as_mut_ptr().add(i), m, v);
         if TRACK {
-            add_moves(&mut acc, _mm512_add_epi32(vfirst, vp), vo, vn);
+            H::add_moves(&mut acc, _mm512_add_epi32(vfirst, vp), vo, vn);
         }
         i += 16;
     }
@@ -432,17 +525,54 @@ mod tests {
         (out, moves.finish())
     }
 
-    /// `apply_sparse` for words of `w` bytes.
+    /// `apply_sparse` for words of `w` bytes, its digest moves by VAES or
+    /// by AES-NI.
     ///
     /// # Safety
-    /// As for `apply_sparse`.
-    unsafe fn apply_kernel(w: usize, target: &mut [u8], positions: &[u32], planes: &[&[u8]], xor: bool, first: u32, limit: u32) -> (DigestSum, usize) {
+    /// As for `apply_sparse`, and VAES where `vaes`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn apply_kernel(w: usize, vaes: bool, target: &mut [u8], positions: &[u32], planes: &[&[u8]], xor: bool, first: u32, limit: u32) -> (DigestSum, usize) {
         unsafe {
-            match w {
-                1 => apply_sparse::<1>(target, positions, planes, xor, first, limit),
-                2 => apply_sparse::<2>(target, positions, planes, xor, first, limit),
-                _ => apply_sparse::<4>(target, positions, planes, xor, first, limit),
+            match (w, vaes) {
+                (1, true) => apply_sparse_vaes::<1>(target, positions, planes, xor, first, limit),
+                (2, true) => apply_sparse_vaes::<2>(target, positions, planes, xor, first, limit),
+                (_, true) => apply_sparse_vaes::<4>(target, positions, planes, xor, first, limit),
+                (1, false) => apply_sparse_aesni::<1>(target, positions, planes, xor, first, limit),
+                (2, false) => apply_sparse_aesni::<2>(target, positions, planes, xor, first, limit),
+                (_, false) => apply_sparse_aesni::<4>(target, positions, planes, xor, first, limit),
             }
+        }
+    }
+
+    /// `gather_block` for words of `w` bytes (tracked, then untracked), its
+    /// digest moves by VAES or by AES-NI.
+    ///
+    /// # Safety
+    /// As for `gather_block`, and VAES where `vaes`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn gather_kernel(w: usize, vaes: bool, o: &[u8], nw: &[u8], pos: &[u32], overwrite: bool, first: u32, got: &mut [u64]) -> (DigestSum, DigestSum) {
+        macro_rules! both {
+            ($f:ident, $w:literal) => {
+                unsafe { ($f::<$w, true>(o, nw, pos, overwrite, first, got), $f::<$w, false>(o, nw, pos, overwrite, 0, got)) }
+            };
+        }
+        match (w, vaes) {
+            (1, true) => both!(gather_block_vaes, 1),
+            (2, true) => both!(gather_block_vaes, 2),
+            (_, true) => both!(gather_block_vaes, 4),
+            (1, false) => both!(gather_block_aesni, 1),
+            (2, false) => both!(gather_block_aesni, 2),
+            (_, false) => both!(gather_block_aesni, 4),
+        }
+    }
+
+    /// The digest hashes of the kernels this CPU runs: AES-NI always, VAES
+    /// where it has it.
+    fn hashes() -> Vec<bool> {
+        if crate::digest::avx512::available() {
+            vec![false, true]
+        } else {
+            vec![false]
         }
     }
 
@@ -479,12 +609,14 @@ mod tests {
         let planes: Vec<Vec<u8>> = (0..w).map(|j| vals.iter().map(|v| (v >> (8 * j)) as u8).collect()).collect();
         let planes: Vec<&[u8]> = planes.iter().map(|p| &p[..]).collect();
         let limit = position_limit(w, old.len(), 0).unwrap();
-        let mut got = old.clone();
-        let (moved, done) = unsafe { apply_kernel(w, &mut got, &pos, &planes, true, 0, limit) };
-        assert_eq!(done, 32, "the groups before the one holding the bad position");
-        let (want, want_moves) = applied_word_by_word(&old, &pos[..32], &vals, w, true, 0);
-        assert_eq!(got, want);
-        assert_eq!(moved, want_moves);
+        for vaes in hashes() {
+            let mut got = old.clone();
+            let (moved, done) = unsafe { apply_kernel(w, vaes, &mut got, &pos, &planes, true, 0, limit) };
+            assert_eq!(done, 32, "the groups before the one holding the bad position (vaes {vaes})");
+            let (want, want_moves) = applied_word_by_word(&old, &pos[..32], &vals, w, true, 0);
+            assert_eq!(got, want);
+            assert_eq!(moved, want_moves);
+        }
     }
 
     #[test]
@@ -545,7 +677,7 @@ mod tests {
                     assert!(!fit && len < 4, "w {w} n {n}: no kernel for a slice under 4 bytes");
                     continue;
                 };
-                for xor in [true, false] {
+                for (vaes, xor) in hashes().into_iter().flat_map(|v| [(v, true), (v, false)]) {
                     // Apply: the kernel against word-by-word stores and
                     // moves of the changes it says it applied, which are all
                     // but the groups from the first with a position past
@@ -557,11 +689,11 @@ mod tests {
                     let planes: Vec<Vec<u8>> = (0..w).map(|j| vals.iter().map(|v| (v >> (8 * j)) as u8).collect()).collect();
                     let planes: Vec<&[u8]> = planes.iter().map(|p| &p[..]).collect();
                     let mut got = old[..len].to_vec();
-                    let (moved, done) = unsafe { apply_kernel(w, &mut got, &pos, &planes, xor, first as u32, limit) };
-                    assert_eq!(done, stop, "apply: w {w} n {n} xor {xor}: changes applied");
+                    let (moved, done) = unsafe { apply_kernel(w, vaes, &mut got, &pos, &planes, xor, first as u32, limit) };
+                    assert_eq!(done, stop, "apply: w {w} n {n} xor {xor} vaes {vaes}: changes applied");
                     assert_eq!(done == pos.len(), fit, "the kernel takes every change exactly where they all fit");
-                    assert_eq!(got, want, "apply: w {w} n {n} xor {xor}");
-                    assert_eq!(moved, want_moves, "apply digest move: w {w} n {n} xor {xor}");
+                    assert_eq!(got, want, "apply: w {w} n {n} xor {xor} vaes {vaes}");
+                    assert_eq!(moved, want_moves, "apply digest move: w {w} n {n} xor {xor} vaes {vaes}");
                     if !fit {
                         continue;
                     }
@@ -578,15 +710,9 @@ mod tests {
                         })
                         .collect();
                     let mut got = vec![u64::MAX; pos.len()];
-                    let (tracked, untracked) = unsafe {
-                        match w {
-                            1 => (gather_block::<1, true>(o, nw, &pos, overwrite, first as u32, &mut got), gather_block::<1, false>(o, nw, &pos, overwrite, 0, &mut got)),
-                            2 => (gather_block::<2, true>(o, nw, &pos, overwrite, first as u32, &mut got), gather_block::<2, false>(o, nw, &pos, overwrite, 0, &mut got)),
-                            _ => (gather_block::<4, true>(o, nw, &pos, overwrite, first as u32, &mut got), gather_block::<4, false>(o, nw, &pos, overwrite, 0, &mut got)),
-                        }
-                    };
-                    assert_eq!(got, want, "gather: w {w} n {n} overwrite {overwrite}");
-                    assert_eq!(tracked, want_moves.finish(), "gather digest move: w {w} n {n}");
+                    let (tracked, untracked) = unsafe { gather_kernel(w, vaes, o, nw, &pos, overwrite, first as u32, &mut got) };
+                    assert_eq!(got, want, "gather: w {w} n {n} overwrite {overwrite} vaes {vaes}");
+                    assert_eq!(tracked, want_moves.finish(), "gather digest move: w {w} n {n} vaes {vaes}");
                     assert_eq!(untracked, DigestSum::ZERO);
                 }
             }

@@ -417,6 +417,7 @@ pub(super) mod scan_gather_avx512 {
         static AVAILABLE: OnceLock<bool> = OnceLock::new();
         *AVAILABLE.get_or_init(|| {
             super::super::gather_x86::available()
+                && crate::digest::avx512::available()
                 && is_x86_feature_detected!("avx512vbmi")
                 && is_x86_feature_detected!("avx512vbmi2")
                 && is_x86_feature_detected!("popcnt")
