@@ -277,7 +277,7 @@ fn sum_words(bytes: &[u8], word_bytes: usize, first_element: u64) -> DigestSum {
     let mut acc = DigestSum::ZERO;
     let mut done = 0usize;
     // Runs that do not cross a 2^32 boundary of the unit index share the
-    // high keys.
+    // index's high half (the kernels count the low half in 32-bit lanes).
     while done < n {
         let index = first_unit + done as u64;
         let to_boundary = (1u64 << 32) - (index & 0xFFFF_FFFF);
@@ -445,7 +445,9 @@ impl DigestMoves {
     #[inline(always)]
     fn unit(&mut self, index: u64, old: u32, new: u32) {
         if index >> 32 != 0 {
-            // Past 2^32 units the high keys differ: one by one (rare).
+            // Past 2^32 units the index's high half is in the state too,
+            // which the batched kernels' 32-bit lanes leave out: one by one
+            // (rare).
             self.sum.sub_unit(index, old);
             self.sum.add_unit(index, new);
             return;
