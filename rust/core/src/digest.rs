@@ -387,32 +387,24 @@ impl Kernel {
     }
 
     /// `sum h(first + offsets[k], new[k]) - h(first + offsets[k], old[k])`
-    /// over the leading changes the kernel takes (all unit indices below
-    /// 2^32), and how many it took.
-    fn moved_at(self, first: u32, offsets: &[u32], old: &[u32], new: &[u32]) -> (DigestSum, usize) {
-        let n = offsets.len().min(old.len()).min(new.len());
+    /// (equal lengths; all unit indices below 2^32).
+    fn moved_at(self, first: u32, offsets: &[u32], old: &[u32], new: &[u32]) -> DigestSum {
+        debug_assert!(offsets.len() == old.len() && old.len() == new.len());
         // Safety (each arm): the CPU has the kernel's instructions (`detect`).
         #[allow(unsafe_code)]
         match self {
-            Kernel::Portable => (DigestSum::ZERO, 0),
+            Kernel::Portable => offsets.iter().zip(old).zip(new).fold(DigestSum::ZERO, |sum, ((&o, &a), &b)| {
+                let i = u64::from(first) + u64::from(o);
+                sum.plus(DigestSum(portable_unit_hash(i, b))).minus(DigestSum(portable_unit_hash(i, a)))
+            }),
             #[cfg(target_arch = "x86_64")]
-            Kernel::AesNi => (unsafe { aesni::moved_at(first, &offsets[..n], &old[..n], &new[..n]) }, n),
+            Kernel::AesNi => unsafe { aesni::moved_at(first, offsets, old, new) },
             #[cfg(target_arch = "x86_64")]
-            Kernel::Vaes256 => {
-                let full = n / 8 * 8;
-                let moved = unsafe { avx2::moved_at(first, &offsets[..full], &old[..full], &new[..full]) };
-                let rest = unsafe { aesni::moved_at(first, &offsets[full..n], &old[full..n], &new[full..n]) };
-                (moved.plus(rest), n)
-            }
+            Kernel::Vaes256 => unsafe { avx2::moved_at(first, offsets, old, new) },
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512 => {
-                let full = n / 16 * 16;
-                let moved = unsafe { avx512::moved_at(first, &offsets[..full], &old[..full], &new[..full]) };
-                let rest = unsafe { aesni::moved_at(first, &offsets[full..n], &old[full..n], &new[full..n]) };
-                (moved.plus(rest), n)
-            }
+            Kernel::Avx512 => unsafe { avx512::moved_at(first, offsets, old, new) },
             #[cfg(target_arch = "aarch64")]
-            Kernel::Neon => (unsafe { neon::moved_at(first, &offsets[..n], &old[..n], &new[..n]) }, n),
+            Kernel::Neon => unsafe { neon::moved_at(first, offsets, old, new) },
         }
     }
 }
@@ -464,12 +456,7 @@ impl DigestMoves {
 
     fn flush(&mut self) {
         let n = self.len;
-        let (moved, done) = self.kernel.moved_at(0, &self.index[..n], &self.old[..n], &self.new[..n]);
-        self.sum = self.sum.plus(moved);
-        for k in done..n {
-            self.sum.sub_unit(u64::from(self.index[k]), self.old[k]);
-            self.sum.add_unit(u64::from(self.index[k]), self.new[k]);
-        }
+        self.sum = self.sum.plus(self.kernel.moved_at(0, &self.index[..n], &self.old[..n], &self.new[..n]));
         self.len = 0;
     }
 
@@ -482,13 +469,11 @@ impl DigestMoves {
         // Ascending, so the last offset is the largest: whether every unit
         // index stays below 2^32 (the vector kernels' range) is one compare.
         let last = offsets.last().copied().map_or(0, u64::from);
-        let mut done = 0;
         if first_element + last < 1 << 32 {
-            let moved;
-            (moved, done) = self.kernel.moved_at(first_element as u32, offsets, old, new);
-            self.sum = self.sum.plus(moved);
+            self.sum = self.sum.plus(self.kernel.moved_at(first_element as u32, offsets, old, new));
+            return;
         }
-        for k in done..offsets.len() {
+        for k in 0..offsets.len() {
             self.unit(first_element + u64::from(offsets[k]), old[k], new[k]);
         }
     }
@@ -685,11 +670,12 @@ pub(crate) mod avx2 {
     }
 
     /// `sum h(i, new) - h(i, old)` at unit indices `i = first + offsets[k]`
-    /// (all below 2^32; equal lengths, a multiple of 8), by VAES.
+    /// (all below 2^32; equal lengths), by VAES eight at a time, the last
+    /// few by AES-NI.
     #[target_feature(enable = "avx2,aes,vaes")]
     pub(super) unsafe fn moved_at(first: u32, offsets: &[u32], old: &[u32], new: &[u32]) -> DigestSum {
         let mut acc = zero_moves();
-        let n = offsets.len().min(old.len()).min(new.len()) / 8 * 8;
+        let n = offsets.len() / 8 * 8;
         let base = _mm256_set1_epi32(first as i32);
         let mut i = 0;
         while i < n {
@@ -699,7 +685,7 @@ pub(crate) mod avx2 {
             Vaes::add_moves(&mut acc, vi, vo, vn);
             i += 8;
         }
-        moves_sum(&acc)
+        moves_sum(&acc).plus(aesni::moved_at(first, &offsets[n..], &old[n..], &new[n..]))
     }
 
     /// Eight units starting at `p` (unit width 1, 2 or 4), widened to u32.
@@ -909,11 +895,12 @@ pub(crate) mod avx512 {
     }
 
     /// `sum h(i, new) - h(i, old)` at unit indices `i = first + offsets[k]`
-    /// (all below 2^32; equal lengths, a multiple of 16).
+    /// (all below 2^32; equal lengths), sixteen at a time, the last few by
+    /// AES-NI.
     #[target_feature(enable = "avx512f,vaes,aes")]
     pub(super) unsafe fn moved_at(first: u32, offsets: &[u32], old: &[u32], new: &[u32]) -> DigestSum {
         let mut acc = zero_moves();
-        let n = offsets.len().min(old.len()).min(new.len()) / 16 * 16;
+        let n = offsets.len() / 16 * 16;
         let base = _mm512_set1_epi32(first as i32);
         let mut i = 0;
         while i < n {
@@ -923,7 +910,7 @@ pub(crate) mod avx512 {
             add_moves(&mut acc, vi, vo, vn);
             i += 16;
         }
-        moves_sum(&acc)
+        moves_sum(&acc).plus(super::aesni::moved_at(first, &offsets[n..], &old[n..], &new[n..]))
     }
 }
 
@@ -1137,9 +1124,7 @@ mod tests {
                 want = want.plus(DigestSum(portable_unit_hash(i, new[k]))).minus(DigestSum(portable_unit_hash(i, old[k])));
             }
             for &k in &kernels {
-                let (got, done) = k.moved_at(first, &offsets, &old, &new);
-                assert_eq!(done, offsets.len(), "{k:?}");
-                assert_eq!(got, want, "{k:?} first={first}");
+                assert_eq!(k.moved_at(first, &offsets, &old, &new), want, "{k:?} first={first}");
             }
         }
     }

@@ -32,8 +32,26 @@ const PREFETCH_AHEAD: usize = 64;
 /// The CPU has AVX2 and AES-NI (`codec::avx2_available`); `W` is 1, 2 or 4; every unit index
 /// `first + positions[k]` is below 2^32. (Positions outside `target` panic,
 /// as the portable loop's do.)
-#[target_feature(enable = "avx2,aes")]
 pub(super) unsafe fn apply_sparse<const W: usize>(
+    target: &mut [u8],
+    positions: &[u32],
+    planes: &[&[u8]],
+    xor: bool,
+    first: u32,
+) -> (DigestSum, usize) {
+    if crate::digest::avx2::vaes_available() {
+        apply_sparse_vaes::<W>(target, positions, planes, xor, first)
+    } else {
+        apply_sparse_aesni::<W>(target, positions, planes, xor, first)
+    }
+}
+
+/// `apply_sparse` with the digest moves hashed by AES-NI.
+///
+/// # Safety
+/// As `apply_sparse`.
+#[target_feature(enable = "avx2,aes")]
+pub(super) unsafe fn apply_sparse_aesni<const W: usize>(
     target: &mut [u8],
     positions: &[u32],
     planes: &[&[u8]],
@@ -201,9 +219,9 @@ mod tests {
                         // for that build); every unit index is below 2^32.
                         let (moved, done) = unsafe {
                             match (w, vaes) {
-                                (1, false) => apply_sparse::<1>(&mut got, &pos, &planes, xor, first as u32),
-                                (2, false) => apply_sparse::<2>(&mut got, &pos, &planes, xor, first as u32),
-                                (_, false) => apply_sparse::<4>(&mut got, &pos, &planes, xor, first as u32),
+                                (1, false) => apply_sparse_aesni::<1>(&mut got, &pos, &planes, xor, first as u32),
+                                (2, false) => apply_sparse_aesni::<2>(&mut got, &pos, &planes, xor, first as u32),
+                                (_, false) => apply_sparse_aesni::<4>(&mut got, &pos, &planes, xor, first as u32),
                                 (1, true) => apply_sparse_vaes::<1>(&mut got, &pos, &planes, xor, first as u32),
                                 (2, true) => apply_sparse_vaes::<2>(&mut got, &pos, &planes, xor, first as u32),
                                 (_, true) => apply_sparse_vaes::<4>(&mut got, &pos, &planes, xor, first as u32),

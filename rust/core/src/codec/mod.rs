@@ -1022,14 +1022,10 @@ fn apply_sparse_kernels(
     // below 2^32 (the positions ascend, so the last is the largest).
     #[allow(unsafe_code)]
     let applied = unsafe {
-        let f = first_element as u32;
-        match (w, crate::digest::avx2::vaes_available()) {
-            (1, false) => apply_avx2::apply_sparse::<1>(target, positions, lanes, xor, f),
-            (2, false) => apply_avx2::apply_sparse::<2>(target, positions, lanes, xor, f),
-            (_, false) => apply_avx2::apply_sparse::<4>(target, positions, lanes, xor, f),
-            (1, true) => apply_avx2::apply_sparse_vaes::<1>(target, positions, lanes, xor, f),
-            (2, true) => apply_avx2::apply_sparse_vaes::<2>(target, positions, lanes, xor, f),
-            (_, true) => apply_avx2::apply_sparse_vaes::<4>(target, positions, lanes, xor, f),
+        match w {
+            1 => apply_avx2::apply_sparse::<1>(target, positions, lanes, xor, first_element as u32),
+            2 => apply_avx2::apply_sparse::<2>(target, positions, lanes, xor, first_element as u32),
+            _ => apply_avx2::apply_sparse::<4>(target, positions, lanes, xor, first_element as u32),
         }
     };
     Some(applied)

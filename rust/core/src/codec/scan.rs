@@ -726,8 +726,28 @@ pub(super) mod scan_gather_avx2 {
     /// The CPU has what `available` checks; `W` is 1, 2 or 4; every unit
     /// index `first + base + k` for `k` below the stripe's word count is
     /// below 2^32.
-    #[target_feature(enable = "avx2,popcnt,aes")]
     pub(in crate::codec) unsafe fn scan_and_gather<const W: usize, const TRACK: bool>(
+        old: &[u8],
+        new: &[u8],
+        base: u32,
+        overwrite: bool,
+        first: u32,
+        positions: &mut Vec<u32>,
+        values: &mut impl Sink8,
+    ) -> (usize, DigestSum) {
+        if crate::digest::avx2::vaes_available() {
+            scan_and_gather_vaes::<W, TRACK>(old, new, base, overwrite, first, positions, values)
+        } else {
+            scan_and_gather_aesni::<W, TRACK>(old, new, base, overwrite, first, positions, values)
+        }
+    }
+
+    /// `scan_and_gather` with the digest moves hashed by AES-NI.
+    ///
+    /// # Safety
+    /// As `scan_and_gather`.
+    #[target_feature(enable = "avx2,popcnt,aes")]
+    pub(in crate::codec) unsafe fn scan_and_gather_aesni<const W: usize, const TRACK: bool>(
         old: &[u8],
         new: &[u8],
         base: u32,
@@ -1048,14 +1068,14 @@ fn scan_and_gather(
     let overwrite = kind == ChangeKind::Overwrite;
     let f = first as u32;
     macro_rules! dispatch {
-        ($kernel:ident :: $function:ident) => {
+        ($kernel:ident) => {
             match (width, tracked_from.is_some()) {
-                (1, true) => $kernel::$function::<1, true>(old, new, base, overwrite, f, positions, values),
-                (2, true) => $kernel::$function::<2, true>(old, new, base, overwrite, f, positions, values),
-                (_, true) => $kernel::$function::<4, true>(old, new, base, overwrite, f, positions, values),
-                (1, false) => $kernel::$function::<1, false>(old, new, base, overwrite, f, positions, values),
-                (2, false) => $kernel::$function::<2, false>(old, new, base, overwrite, f, positions, values),
-                (_, false) => $kernel::$function::<4, false>(old, new, base, overwrite, f, positions, values),
+                (1, true) => $kernel::scan_and_gather::<1, true>(old, new, base, overwrite, f, positions, values),
+                (2, true) => $kernel::scan_and_gather::<2, true>(old, new, base, overwrite, f, positions, values),
+                (_, true) => $kernel::scan_and_gather::<4, true>(old, new, base, overwrite, f, positions, values),
+                (1, false) => $kernel::scan_and_gather::<1, false>(old, new, base, overwrite, f, positions, values),
+                (2, false) => $kernel::scan_and_gather::<2, false>(old, new, base, overwrite, f, positions, values),
+                (_, false) => $kernel::scan_and_gather::<4, false>(old, new, base, overwrite, f, positions, values),
             }
         };
     }
@@ -1065,11 +1085,9 @@ fn scan_and_gather(
     #[allow(unsafe_code)]
     let (scanned, moved) = unsafe {
         if scan_gather_avx512::available() {
-            dispatch!(scan_gather_avx512::scan_and_gather)
-        } else if crate::digest::avx2::vaes_available() {
-            dispatch!(scan_gather_avx2::scan_and_gather_vaes)
+            dispatch!(scan_gather_avx512)
         } else {
-            dispatch!(scan_gather_avx2::scan_and_gather)
+            dispatch!(scan_gather_avx2)
         }
     };
     moves.add(moved);

@@ -636,9 +636,9 @@ fn one_pass_kernels_match_a_word_by_word_compare() {
                             }};
                         }
                         let ((count, moved), (plane_count, plane_moved)) = match (kernel, width) {
-                            ("avx2", 1) => run!(scan_gather_avx2::scan_and_gather, 1),
-                            ("avx2", 2) => run!(scan_gather_avx2::scan_and_gather, 2),
-                            ("avx2", _) => run!(scan_gather_avx2::scan_and_gather, 4),
+                            ("avx2", 1) => run!(scan_gather_avx2::scan_and_gather_aesni, 1),
+                            ("avx2", 2) => run!(scan_gather_avx2::scan_and_gather_aesni, 2),
+                            ("avx2", _) => run!(scan_gather_avx2::scan_and_gather_aesni, 4),
                             ("avx2 vaes", 1) => run!(scan_gather_avx2::scan_and_gather_vaes, 1),
                             ("avx2 vaes", 2) => run!(scan_gather_avx2::scan_and_gather_vaes, 2),
                             ("avx2 vaes", _) => run!(scan_gather_avx2::scan_and_gather_vaes, 4),
