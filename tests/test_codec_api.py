@@ -191,6 +191,14 @@ def test_known_base_digests_give_the_same_delta_and_a_verified_apply():
     with pytest.raises(dcr.BaseMismatchError):
         dcr.apply_tensors(known, again, base_digests={**digests, "t1": wrong["t1"]})
     assert all(torch.equal(again[k].view(torch.int16), old[k].view(torch.int16)) for k in old)
+    # Digests in any bytes-like form give the same delta; a missing or
+    # malformed one is named.
+    as_views = {k: memoryview(bytearray(d)) if k == "t0" else bytearray(d) for k, d in digests.items()}
+    assert dcr.diff_tensors(old, new, base_digests=as_views)[0] == plain
+    with pytest.raises(dcr.LayoutMismatchError, match="lacks 1 tensors.*t2"):
+        dcr.diff_tensors(old, new, base_digests={k: d for k, d in digests.items() if k != "t2"})
+    with pytest.raises(ValueError, match="16 bytes, got 15"):
+        dcr.diff_tensors(old, new, base_digests={**digests, "t1": digests["t1"][:15]})
 
 
 def test_one_thread_runs_on_the_calling_thread_with_the_same_bytes(rng, tmp_path):

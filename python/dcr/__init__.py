@@ -99,16 +99,17 @@ def diff_tensors(
     ``threads``: worker threads (default: every core); 1 works on the calling
     thread itself, with no hand-off to a pool.
     """
-    if set(old) != set(new):
+    if old.keys() != new.keys():
         missing = sorted(set(old) ^ set(new))[:5]
         raise LayoutMismatchError(f"old and new hold different tensor names (e.g. {missing}); pass matching state dicts")
     olds = _buffers.describe(old)
     news = _buffers.describe({k: new[k] for k in old})
     names, dtypes, shapes, old_spans, _ = olds
     _, new_dtypes, new_shapes, new_spans, _ = news
-    for n, a, b, sa, sb in zip(names, dtypes, new_dtypes, shapes, new_shapes):
-        if a != b or (sa != sb and list(sa) != list(sb)):  # torch.Size or list
-            raise LayoutMismatchError(f"tensor {n!r}: old is {a}{list(sa)}, new is {b}{list(sb)}; shapes and dtypes must match")
+    if dtypes != new_dtypes or shapes != new_shapes:  # whole lists first: a refit's layouts match
+        for n, a, b, sa, sb in zip(names, dtypes, new_dtypes, shapes, new_shapes):
+            if a != b or (sa != sb and list(sa) != list(sb)):  # torch.Size or list
+                raise LayoutMismatchError(f"tensor {n!r}: old is {a}{list(sa)}, new is {b}{list(sb)}; shapes and dtypes must match")
     delta, stats = _core.diff_buffers(
         names,
         dtypes,
@@ -152,11 +153,13 @@ def apply_tensors(delta: bytes, tensors: Mapping[str, Any], *, threads: int | No
 def _digest_list(digests: Mapping[str, bytes] | None, names: list[str]) -> list[bytes] | None:
     if digests is None:
         return None
-    missing = [n for n in names if n not in digests]
-    if missing:
+    try:
+        listed = [digests[n] for n in names]
+    except KeyError:
+        missing = [n for n in names if n not in digests]
         raise LayoutMismatchError(f"base_digests lacks {len(missing)} tensors, e.g. {missing[:3]}; "
-                                  "pass dcr.tensor_digests() of the same state dict")
-    return [bytes(digests[n]) for n in names]
+                                  "pass dcr.tensor_digests() of the same state dict") from None
+    return [d if type(d) is bytes else bytes(d) for d in listed]
 
 
 def tensor_digests(tensors: Mapping[str, Any]) -> dict[str, bytes]:

@@ -105,7 +105,8 @@ fn plan(layout: &Layout, chunk_bytes: u32) -> Result<Vec<Unit>> {
 }
 
 /// Build the delta from `old` to `new` (buffers in the layout's canonical
-/// order). Frames go to `sink` in order as soon as they are encoded; the
+/// order). The delta's bytes go to `sink` in order as soon as they are encoded (a
+/// chunk frame in three pieces: see `ChunkFrame::frame_parts`); the
 /// work is spread over rayon's threads in batches so memory stays bounded.
 pub fn diff(
     layout: &Layout,
@@ -306,16 +307,20 @@ pub fn diff_from(
                 n_changed: chunk.n_changed,
                 payload: chunk.payload,
             };
-            let bytes = frame.to_frame();
+            let frame_len = frame.frame_len() as u64;
             let t = &mut stats.per_tensor[u.tensor];
             t.changed += u64::from(frame.n_changed);
             t.chunks += 1;
-            t.payload_bytes += bytes.len() as u64;
+            t.payload_bytes += frame_len;
             stats.changed += u64::from(frame.n_changed);
             stats.encodings[frame.encoding as usize] += 1;
             stats.modes[frame.mode as usize] += 1;
             seq = seq.checked_add(1).ok_or_else(|| Error::Invalid("more than 2^32 chunks: use a larger chunk size".into()))?;
-            emit(&bytes, &mut stats)?;
+            // In its three pieces: the payload goes to the sink as encoded.
+            let (head, payload, crc) = frame.frame_parts();
+            emit(&head, &mut stats)?;
+            emit(payload, &mut stats)?;
+            emit(&crc, &mut stats)?;
         }
         progress(total_bytes / 2 + done_bytes - done_bytes / 2, total_bytes);
     }

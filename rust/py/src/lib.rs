@@ -20,6 +20,8 @@ use dcr_core::objstore;
 use dcr_core::receiver;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::intern;
+use pyo3::pybacked::PyBackedBytes;
 
 use errors::to_py;
 
@@ -89,37 +91,37 @@ fn progress_fn(cb: Option<Py<PyAny>>) -> impl FnMut(u64, u64) {
 
 fn stats_dict<'py>(py: Python<'py>, s: &DeltaStats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
-    d.set_item("base_digest", digest_hex(&s.base_digest))?;
-    d.set_item("target_digest", digest_hex(&s.target_digest))?;
-    d.set_item("base_version", s.base_version)?;
-    d.set_item("target_version", s.target_version)?;
-    d.set_item("total_elements", s.total_words)?;
-    d.set_item("checkpoint_bytes", s.total_bytes)?;
-    d.set_item("changed_elements", s.changed)?;
-    d.set_item("chunks", s.chunks)?;
-    d.set_item("payload_bytes", s.delta_bytes)?;
-    d.set_item("bytes_per_changed", if s.changed > 0 { s.delta_bytes as f64 / s.changed as f64 } else { 0.0 })?;
-    d.set_item("change_rate", if s.total_words > 0 { s.changed as f64 / s.total_words as f64 } else { 0.0 })?;
+    d.set_item(intern!(py, "base_digest"), digest_hex(&s.base_digest))?;
+    d.set_item(intern!(py, "target_digest"), digest_hex(&s.target_digest))?;
+    d.set_item(intern!(py, "base_version"), s.base_version)?;
+    d.set_item(intern!(py, "target_version"), s.target_version)?;
+    d.set_item(intern!(py, "total_elements"), s.total_words)?;
+    d.set_item(intern!(py, "checkpoint_bytes"), s.total_bytes)?;
+    d.set_item(intern!(py, "changed_elements"), s.changed)?;
+    d.set_item(intern!(py, "chunks"), s.chunks)?;
+    d.set_item(intern!(py, "payload_bytes"), s.delta_bytes)?;
+    d.set_item(intern!(py, "bytes_per_changed"), if s.changed > 0 { s.delta_bytes as f64 / s.changed as f64 } else { 0.0 })?;
+    d.set_item(intern!(py, "change_rate"), if s.total_words > 0 { s.changed as f64 / s.total_words as f64 } else { 0.0 })?;
     let enc = PyDict::new(py);
     for (i, encoding) in dcr_core::codec::ENCODINGS.iter().enumerate() {
         enc.set_item(encoding.name(), s.encodings[i])?;
     }
-    d.set_item("encodings", enc)?;
+    d.set_item(intern!(py, "encodings"), enc)?;
     let modes = PyDict::new(py);
-    modes.set_item("free", s.modes[Mode::Free as usize])?;
-    modes.set_item("context", s.modes[Mode::Context as usize])?;
-    d.set_item("modes", modes)?;
+    modes.set_item(intern!(py, "free"), s.modes[Mode::Free as usize])?;
+    modes.set_item(intern!(py, "context"), s.modes[Mode::Context as usize])?;
+    d.set_item(intern!(py, "modes"), modes)?;
     let per = PyList::empty(py);
     for t in &s.per_tensor {
         let td = PyDict::new(py);
-        td.set_item("name", &t.name)?;
-        td.set_item("elements", t.words)?;
-        td.set_item("changed_elements", t.changed)?;
-        td.set_item("chunks", t.chunks)?;
-        td.set_item("payload_bytes", t.payload_bytes)?;
+        td.set_item(intern!(py, "name"), &t.name)?;
+        td.set_item(intern!(py, "elements"), t.words)?;
+        td.set_item(intern!(py, "changed_elements"), t.changed)?;
+        td.set_item(intern!(py, "chunks"), t.chunks)?;
+        td.set_item(intern!(py, "payload_bytes"), t.payload_bytes)?;
         per.append(td)?;
     }
-    d.set_item("tensors", per)?;
+    d.set_item(intern!(py, "tensors"), per)?;
     Ok(d)
 }
 
@@ -313,7 +315,7 @@ fn diff_buffers<'py>(
     base_version: u64,
     target_version: u64,
     threads: Option<usize>,
-    base_digests: Option<Vec<Vec<u8>>>,
+    base_digests: Option<Vec<PyBackedBytes>>,
 ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyDict>)> {
     let (layout, order) = layout_of(names, dtypes, shapes)?;
     let known = known_digests(base_digests, &order)?;
@@ -344,7 +346,7 @@ fn apply_buffers<'py>(
     shapes: Vec<Vec<u64>>,
     targets: Vec<Span>,
     threads: Option<usize>,
-    base_digests: Option<Vec<Vec<u8>>>,
+    base_digests: Option<Vec<PyBackedBytes>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let (layout, order) = layout_of(names, dtypes, shapes)?;
     let known = known_digests(base_digests, &order)?;
@@ -362,14 +364,16 @@ fn apply_buffers<'py>(
 }
 
 /// Tensor digests given in the caller's order, put in canonical order.
-fn known_digests(digests: Option<Vec<Vec<u8>>>, order: &[usize]) -> PyResult<Option<Vec<dcr_core::checkpoint::Digest>>> {
+/// The base digests as given (bytes, borrowed: a `Vec<u8>` would be
+/// extracted one int at a time), in the layout's order.
+fn known_digests(digests: Option<Vec<PyBackedBytes>>, order: &[usize]) -> PyResult<Option<Vec<dcr_core::checkpoint::Digest>>> {
     let Some(d) = digests else { return Ok(None) };
     if d.len() != order.len() {
         return Err(pyo3::exceptions::PyValueError::new_err(format!("{} base digests for {} tensors", d.len(), order.len())));
     }
     let d = d
         .iter()
-        .map(|x| x.as_slice().try_into().map_err(|_| pyo3::exceptions::PyValueError::new_err(format!("a tensor digest is 16 bytes, got {}", x.len()))))
+        .map(|x| (**x).try_into().map_err(|_| pyo3::exceptions::PyValueError::new_err(format!("a tensor digest is 16 bytes, got {}", x.len()))))
         .collect::<PyResult<Vec<dcr_core::checkpoint::Digest>>>()?;
     Ok(Some(order.iter().map(|&i| d[i]).collect()))
 }

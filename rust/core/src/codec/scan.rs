@@ -1204,9 +1204,12 @@ fn find_into(old: &[u8], new: &[u8], width: usize, kind: ChangeKind, tracked_fro
     let n = old.len() / width;
     // A diff keeps the found changes of many chunks between its passes, so
     // they should hold about what was found: room for the first stripe's
-    // worth, then for the whole chunk at the first stripe's rate (changes
-    // are spread fairly evenly over a tensor) plus a quarter, then doubling.
-    let mut positions = Vec::with_capacity((stripe.min(n) / 16) + 64);
+    // worth at up to an eighth changed (the fp32-master pairs change up to
+    // a tenth: at a sixteenth, growing the first stripe's lists was about
+    // 1 % of the free diff at fp32m 10->15), then for the whole chunk at
+    // the first stripe's rate (changes are spread fairly evenly over a
+    // tensor) plus a quarter, then doubling.
+    let mut positions = Vec::with_capacity((stripe.min(n) / 8) + 64);
     values.reserve(positions.capacity());
     let mut moves = DigestMoves::new(width);
     for start in (0..n).step_by(stripe) {
