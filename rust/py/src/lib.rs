@@ -297,6 +297,9 @@ fn layout_of(names: Vec<String>, dtypes: Vec<String>, shapes: Vec<Vec<u64>>) -> 
     Ok((layout, order))
 }
 
+/// The size of the delta `diff_buffers` built last.
+static LAST_DELTA_BYTES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 /// Diff two lists of tensor buffers (uint8 views) into delta bytes.
 #[pyfunction]
 #[pyo3(signature = (names, dtypes, shapes, old, new, *, chunk_bytes=delta::DEFAULT_CHUNK_BYTES, kind="xor", zstd_level=1, mode="free", base_version=0, target_version=1, threads=None, base_digests=None))]
@@ -326,8 +329,14 @@ fn diff_buffers<'py>(
     let o: Vec<&[u8]> = order.iter().map(|&i| o[i]).collect();
     let n: Vec<&[u8]> = order.iter().map(|&i| n[i]).collect();
     let (bytes, stats) = run_detached(py, threads, || {
-        let mut out = Vec::new();
+        // Room for what the last diff wrote and a quarter more (at most
+        // this checkpoint's size): a refit's deltas are alike in size from
+        // step to step, and a buffer grown from empty copied itself about
+        // once over on the way.
+        let hint = LAST_DELTA_BYTES.load(std::sync::atomic::Ordering::Relaxed).saturating_mul(5) / 4;
+        let mut out = Vec::with_capacity(hint.min(usize::try_from(layout.total_bytes()).unwrap_or(usize::MAX)));
         let s = delta::diff_from(&layout, &o, &n, known.as_deref(), &opts, &mut |b| { out.extend_from_slice(b); Ok(()) }, &mut |_, _| {})?;
+        LAST_DELTA_BYTES.store(out.len(), std::sync::atomic::Ordering::Relaxed);
         Ok((out, s))
     })?
     .map_err(to_py)?;
