@@ -105,9 +105,10 @@ fn plan(layout: &Layout, chunk_bytes: u32) -> Result<Vec<Unit>> {
 }
 
 /// Build the delta from `old` to `new` (buffers in the layout's canonical
-/// order). The delta's bytes go to `sink` in order as soon as they are encoded (a
-/// chunk frame in three pieces: see `ChunkFrame::frame_parts`); the
-/// work is spread over rayon's threads in batches so memory stays bounded.
+/// order). The delta's bytes go to `sink` in order as soon as they are
+/// encoded (a chunk frame in three pieces: see `ChunkFrame::frame_parts`);
+/// the work is spread over rayon's threads in batches so memory stays
+/// bounded.
 pub fn diff(
     layout: &Layout,
     old: &[&[u8]],

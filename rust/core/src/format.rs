@@ -474,6 +474,9 @@ mod tests {
         ] {
             let bytes = c.to_frame();
             assert_eq!(bytes.len(), c.frame_len());
+            // The diff writes the frame in three pieces: the same bytes.
+            let (head, payload, crc) = c.frame_parts();
+            assert_eq!([&head[..], payload, &crc[..]].concat(), bytes);
             let (parsed, used) = parse_frame(&bytes).unwrap().unwrap();
             assert_eq!(used, bytes.len());
             assert_eq!(parsed, Frame::Chunk(c));
