@@ -624,6 +624,15 @@ fn child_that_stops_reading_is_dropped_and_releases_backpressure() {
         sock.write_all(&b).unwrap(); // the Subscribe
     }
     let good = spawn_sub(sub_cfg("good", &[&root.addr]), None);
+    // The good child connected before anything is published: the window
+    // (2 MiB) moves on once the stuck child is dropped, and a good child
+    // that came later (its handshake is slow under emulation) would find
+    // chunk 0 gone (`ResumeUnavailable`, seen under qemu in CI).
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while root.metrics.children.load(std::sync::atomic::Ordering::Relaxed) < 2 {
+        assert!(std::time::Instant::now() < deadline, "the good child connects in time");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let n = 40u32; // 40 MiB: far more than the socket buffers and the window
     let big = |i: u32| chunk(i, 1 << 20);
     let raddr = root.addr.clone();
