@@ -154,12 +154,11 @@ def _digest_list(digests: Mapping[str, bytes] | None, names: list[str]) -> list[
     if digests is None:
         return None
     try:
-        listed = [digests[n] for n in names]
+        return [bytes(digests[n]) for n in names]
     except KeyError:
         missing = [n for n in names if n not in digests]
         raise LayoutMismatchError(f"base_digests lacks {len(missing)} tensors, e.g. {missing[:3]}; "
                                   "pass dcr.tensor_digests() of the same state dict") from None
-    return [d if type(d) is bytes else bytes(d) for d in listed]
 
 
 def tensor_digests(tensors: Mapping[str, Any]) -> dict[str, bytes]:

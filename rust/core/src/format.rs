@@ -532,8 +532,25 @@ mod tests {
             shape.iter().for_each(|d| table.extend_from_slice(&d.to_le_bytes()));
         }
         table.extend_from_slice(extra);
-        put_tensor_table(&mut b, &table);
+        crate::codec::streams::put_stream(&mut b, &table, 3);
         frame(TAG_HEADER, &b)
+    }
+
+    /// The tensor table's stream is reused only while the table stays the
+    /// same: headers of two layouts, in turn on one thread, each read back
+    /// as written.
+    #[test]
+    fn headers_of_alternating_layouts_read_back_as_written() {
+        let bf16 = DType::from_name("BF16").unwrap();
+        let layout = |names: &[&str]| {
+            Layout::new(names.iter().map(|n| TensorSpec { name: n.to_string(), dtype: bf16, shape: vec![2, 3] }).collect()).unwrap()
+        };
+        let (a, b) = (layout(&["x", "y"]), layout(&["x", "z", "w"]));
+        for l in [&a, &b, &a, &a, &b] {
+            let h = DeltaHeader { delta_id: [1; 16], base_digest: [2; 16], target_digest: [3; 16], base_version: 4, target_version: 5, chunk_bytes: 64, layout: l.clone() };
+            let Some((Frame::Header(back), _)) = parse_frame(&h.to_frame()).unwrap() else { panic!("a header") };
+            assert_eq!(back, h);
+        }
     }
 
     /// Header and trailer fields past their limits or out of order are
