@@ -4,9 +4,8 @@
 //! timed call): `cargo run --release -p dcr-core --example profile_diff OLD NEW`.
 //! Prints the median of the repeats for each stage, in GB/s of checkpoint.
 //! `... OLD NEW REPEATS STAGE` runs only the stages whose names contain STAGE.
-//! `MODE=context` in the environment times the context mode's delta
-//! (without the `decode` and `write` stages, which call the free mode's
-//! decoder).
+//! `MODE=context` in the environment times the context mode's delta (its
+//! `decode` stage reads each chunk's base words in OLD).
 //! With `COLD=1` in the environment each repeat first writes 256 MiB
 //! elsewhere (not timed), so that it starts with nothing of the inputs in
 //! the caches, as a refit does.
@@ -50,7 +49,7 @@ fn main() {
 
     let mut stages: Vec<(&str, Vec<Duration>)> = Vec::new();
     let mut time = |name: &'static str, f: &mut dyn FnMut()| {
-        if !name.contains(only.as_str()) || (context && name.contains("decode chunks")) {
+        if !name.contains(only.as_str()) {
             return;
         }
         let mut v = Vec::new();
@@ -110,26 +109,25 @@ fn main() {
     time("apply: read delta (parse, checksums)", &mut || {
         std::hint::black_box(delta::read_delta(&delta_bytes).unwrap());
     });
-    // Decoding alone (entropy decoding and positions), no target written.
+    // Decoding alone (entropy decoding and positions), no target written;
+    // a context chunk reads its base words in OLD.
+    let decode = |c: &dcr_core::format::ChunkFrame| {
+        let w = layout.tensors()[c.tensor as usize].dtype.word_bytes();
+        let at = c.start as usize * w;
+        let range = at..at + c.len as usize * w;
+        delta::decode_against(c, &range, &layout, &ob[c.tensor as usize][range.clone()]).unwrap()
+    };
     time("apply: decode chunks only", &mut || {
         for c in &parsed.chunks {
-            let w = layout.tensors()[c.tensor as usize].dtype.word_bytes();
-            std::hint::black_box(codec::decode_chunk(&c.payload, c.len as usize, w, c.encoding, c.n_changed, "chunk").unwrap());
+            std::hint::black_box(decode(c));
         }
     });
     // Apply: each repeat starts from a fresh copy of the base (copy not timed).
     let mut work: Vec<Vec<u8>> = ob.iter().map(|b| b.to_vec()).collect();
     // The write alone: chunks decoded beforehand (not timed), then written
     // in place with their digest moves, as the apply's second phase does.
-    if "apply: write decoded chunks".contains(only.as_str()) && !context {
-        let decoded: Vec<_> = parsed
-            .chunks
-            .iter()
-            .map(|c| {
-                let w = layout.tensors()[c.tensor as usize].dtype.word_bytes();
-                codec::decode_chunk(&c.payload, c.len as usize, w, c.encoding, c.n_changed, "chunk").unwrap()
-            })
-            .collect();
+    if "apply: write decoded chunks".contains(only.as_str()) {
+        let decoded: Vec<_> = parsed.chunks.iter().map(decode).collect();
         let mut v = Vec::new();
         for _ in 0..repeats {
             for (w, o) in work.iter_mut().zip(&ob) {

@@ -484,6 +484,25 @@ pub fn decode_against(c: &ChunkFrame, range: &std::ops::Range<usize>, layout: &L
     }
 }
 
+/// Decode one chunk against its range of the target, `slice`, and write it
+/// there: the decoded chunk, the words it replaced (overwrites, which are
+/// captured before they are written), and the digest move. A context
+/// chunk of XOR changes is written as it is decoded
+/// (`codec::apply_chunk_context`). On an error nothing is written.
+fn decode_and_write(c: &ChunkFrame, range: &std::ops::Range<usize>, layout: &Layout, slice: &mut [u8]) -> Result<(DecodedChunk, Option<DecodedChunk>, DigestSum)> {
+    if c.mode == Mode::Context && c.kind == ChangeKind::Xor {
+        let dtype = layout.tensors()[c.tensor as usize].dtype;
+        let model = codec::context::ContextModel::for_dtype(dtype);
+        let name = format!("chunk {}", c.seq);
+        let (decoded, moved) = codec::apply_chunk_context(&c.payload, slice, dtype.word_bytes(), &model, c.n_changed, c.start, &name)?;
+        return Ok((decoded, None, moved));
+    }
+    let decoded = decode_against(c, range, layout, slice)?;
+    let saved = (c.kind == ChangeKind::Overwrite).then(|| decoded.capture(slice));
+    let moved = decoded.apply_tracked(slice, c.kind, c.start);
+    Ok((decoded, saved, moved))
+}
+
 /// Split each tensor buffer into the disjoint byte ranges of `chunks`
 /// (sorted by tensor, then start; ranges from `check_chunk`).
 fn split_targets<'t, 'c>(
@@ -544,9 +563,7 @@ pub fn apply_from(delta: &Delta, layout: &Layout, targets: &mut [&mut [u8]], kno
     let mut slices = split_targets(targets, &order);
     let done: Vec<Result<(Undo, DigestSum)>> = crate::exec::map_mut(&mut slices, |i, slice| {
         let (c, range) = &order[i];
-        let decoded = decode_against(c, range, layout, slice)?;
-        let saved = (c.kind == ChangeKind::Overwrite).then(|| decoded.capture(slice));
-        let moved = decoded.apply_tracked(slice, c.kind, c.start);
+        let (decoded, saved, moved) = decode_and_write(c, range, layout, slice)?;
         let undo = match (saved, c.mode) {
             (Some(saved), _) => Undo::PutBack(saved),
             // A context chunk decodes against its base words, gone once it
@@ -800,9 +817,7 @@ impl<'t> StreamApplier<'t> {
         }
         let t = c.tensor as usize;
         let slice = &mut self.targets[t][range.clone()];
-        let decoded = decode_against(&c, &range, &self.layout, slice)?;
-        let undo = (c.kind == ChangeKind::Overwrite).then(|| decoded.capture(slice));
-        let moved = decoded.apply_tracked(slice, c.kind, c.start);
+        let (decoded, undo, moved) = decode_and_write(&c, &range, &self.layout, slice)?;
         self.moved[t] = self.moved[t].plus(moved);
         self.changed += u64::from(c.n_changed);
         self.applied.push((t, range, c.kind, decoded, undo));

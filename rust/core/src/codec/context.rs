@@ -42,6 +42,7 @@ use super::range::{RangeDecoder, RangeEncoder, Rate, PROB_INIT};
 use super::step_tables;
 use super::streams::{get_varint, put_stream, put_varint, StreamReader};
 use super::{ChangeKind, SparseChanges, Word};
+use crate::digest::DigestSum;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use safetensors::Dtype;
@@ -904,11 +905,54 @@ pub(super) fn decode_split(
     kind: ChangeKind,
     context: &str,
 ) -> Result<(Vec<u32>, Vec<Vec<u8>>)> {
+    let (positions, planes, _) = decode_words_of_width(payload, &mut Base::Read(old), model, n_changed, kind, context, fastest_expansion(model))?;
+    Ok((positions, planes))
+}
+
+/// `decode_split` of XOR changes that also applies them to `target`, the
+/// chunk they decode against (`first`: its first element in its tensor),
+/// and returns the digest move of the words written. On an error nothing
+/// of the chunk is left written. The groups of changes the vector kernel
+/// decodes are written from its registers, the rest once all decoded.
+pub(super) fn decode_split_in_place(
+    payload: &[u8],
+    target: &mut [u8],
+    first: u64,
+    model: &ContextModel,
+    n_changed: u32,
+    context: &str,
+) -> Result<(Vec<u32>, Vec<Vec<u8>>, DigestSum)> {
+    let mut base = Base::Written { target, first };
+    let (positions, planes, moved) = decode_words_of_width(payload, &mut base, model, n_changed, ChangeKind::Xor, context, fastest_expansion(model))?;
+    Ok((positions, planes, moved.expect("a written base's digest move")))
+}
+
+/// The widest expansion this CPU runs for `model`.
+fn fastest_expansion(model: &ContextModel) -> Expansion {
     #[cfg(target_arch = "x86_64")]
     if model.contexts() <= 256 && model.width <= 4 && super::x86::available() {
-        return decode_words_of_width(payload, old, model, n_changed, kind, context, Expansion::Blocks);
+        return Expansion::Blocks;
     }
-    decode_words_of_width(payload, old, model, n_changed, kind, context, Expansion::Elements)
+    let _ = model;
+    Expansion::Elements
+}
+
+/// The base words a chunk decodes against.
+enum Base<'a> {
+    /// Read only: the decoded changes are the result.
+    Read(&'a [u8]),
+    /// The target itself, XOR changes written into it as they are decoded
+    /// (`first`: the chunk's first element in its tensor).
+    Written { target: &'a mut [u8], first: u64 },
+}
+
+impl Base<'_> {
+    fn words(&self) -> &[u8] {
+        match self {
+            Base::Read(old) => old,
+            Base::Written { target, .. } => target,
+        }
+    }
 }
 
 /// The portable decoder: rank bitmaps expanded into element order one
@@ -922,25 +966,28 @@ pub fn decode_reference(
     kind: ChangeKind,
     context: &str,
 ) -> Result<SparseChanges> {
-    let (positions, planes) = decode_words_of_width(payload, old, model, n_changed, kind, context, Expansion::Elements)?;
+    let (positions, planes, _) = decode_words_of_width(payload, &mut Base::Read(old), model, n_changed, kind, context, Expansion::Elements)?;
     Ok(SparseChanges { positions, values: words_of(&planes) })
 }
+
+/// Positions, value planes and (a written base) the digest move.
+type DecodedWords = (Vec<u32>, Vec<Vec<u8>>, Option<DigestSum>);
 
 /// `decode_words` for the model's word width.
 fn decode_words_of_width(
     payload: &[u8],
-    old: &[u8],
+    base: &mut Base<'_>,
     model: &ContextModel,
     n_changed: u32,
     kind: ChangeKind,
     context: &str,
     expansion: Expansion,
-) -> Result<(Vec<u32>, Vec<Vec<u8>>)> {
+) -> Result<DecodedWords> {
     match model.width {
-        1 => decode_words::<u8>(payload, old, model, n_changed, kind, context, expansion),
-        2 => decode_words::<u16>(payload, old, model, n_changed, kind, context, expansion),
-        4 => decode_words::<u32>(payload, old, model, n_changed, kind, context, expansion),
-        _ => decode_words::<u64>(payload, old, model, n_changed, kind, context, expansion),
+        1 => decode_words::<u8>(payload, base, model, n_changed, kind, context, expansion),
+        2 => decode_words::<u16>(payload, base, model, n_changed, kind, context, expansion),
+        4 => decode_words::<u32>(payload, base, model, n_changed, kind, context, expansion),
+        _ => decode_words::<u64>(payload, base, model, n_changed, kind, context, expansion),
     }
 }
 
@@ -1063,9 +1110,13 @@ fn parse<'a>(payload: &'a [u8], n: usize, m: usize, nctx: usize, context: &'a st
 /// elements) that changed, as one bitmap per bucket laid end to end in
 /// `words`: bit `r` of bucket `b` is bit `r % 64` of
 /// `words[base[b] + r / 64]`. Each bucket's bitmap ends at its last
-/// change (`limit[b]` bits) and is followed by two zero words, so a window
-/// of two words starting below the limit plus 64 stays inside it. An
-/// unlisted bucket has limit 0.
+/// change (`limit[b]` bits) and is followed by `BITMAP_PADDING_WORDS`
+/// zero words, so that a window of two words starting below the limit
+/// plus `64 * (BITMAP_PADDING_WORDS - 1)` stays inside it: the expansion
+/// kernels read a block of windows with no clamp. An unlisted bucket has
+/// limit 0.
+pub(super) const BITMAP_PADDING_WORDS: usize = 4;
+
 pub(super) struct RankBitmaps {
     pub(super) words: Vec<u64>,
     pub(super) base: Vec<usize>,
@@ -1126,7 +1177,7 @@ fn rank_bitmaps(parsed: &Parsed<'_>, n: usize, rc: &mut RangeDecoder<'_>, contex
         };
         bits_left -= limit;
         maps.limit[l.bucket] = limit;
-        maps.words.resize(base + limit.div_ceil(64) as usize + 2, 0);
+        maps.words.resize(base + limit.div_ceil(64) as usize + BITMAP_PADDING_WORDS, 0);
     }
     reader.finish().map_err(bad)?;
     Ok(maps)
@@ -1207,13 +1258,46 @@ fn change<T: Word>(model: &ContextModel, kind: ChangeKind, old: u64, v: u64, neg
 /// the changes in one pass.
 fn decode_words<T: Word>(
     payload: &[u8],
-    old: &[u8],
+    base: &mut Base<'_>,
     model: &ContextModel,
     n_changed: u32,
     kind: ChangeKind,
     context: &str,
     expansion: Expansion,
+) -> Result<DecodedWords> {
+    debug_assert!(matches!(base, Base::Read(_)) || kind == ChangeKind::Xor, "a written base takes XOR changes");
+    // Changes already written into a written base, and their digest move.
+    let mut written = (0usize, DigestSum::ZERO);
+    let decoded = decode_words_into::<T>(payload, base, model, n_changed, kind, context, expansion, &mut written);
+    let Base::Written { target, first } = base else {
+        return decoded.map(|(positions, planes)| (positions, planes, None));
+    };
+    let (done, head_moved) = written;
+    match decoded {
+        Ok((positions, planes)) => {
+            let tails: Vec<&[u8]> = planes.iter().map(|p| &p[done..]).collect();
+            let moved = super::apply_sparse::<T>(target, &positions[done..], &tails, ChangeKind::Xor, *first);
+            Ok((positions, planes, Some(head_moved.plus(moved))))
+        }
+        Err(error) => Err(error),
+    }
+}
+
+/// The body of `decode_words`: into a written base, the leading `written.0`
+/// changes are also written, with digest move `written.1`. On an error
+/// those are put back before it returns.
+#[allow(clippy::too_many_arguments)]
+fn decode_words_into<T: Word>(
+    payload: &[u8],
+    base: &mut Base<'_>,
+    model: &ContextModel,
+    n_changed: u32,
+    kind: ChangeKind,
+    context: &str,
+    expansion: Expansion,
+    written: &mut (usize, DigestSum),
 ) -> Result<(Vec<u32>, Vec<Vec<u8>>)> {
+    let old = base.words();
     let n = old.len() / T::BYTES;
     let m = n_changed as usize;
     let bad = |detail: &str| Error::corrupt(context, detail.to_string());
@@ -1253,9 +1337,21 @@ fn decode_words<T: Word>(
         #[cfg(target_arch = "x86_64")]
         if expansion == Expansion::Blocks {
             let step_model = model.step_model32();
-            let taken = step_tables::decode_leading_groups(&mut steps, old, w, &positions, signs, step_model, kind == ChangeKind::Xor, &mut planes);
-            (done, unchanged) = taken;
+            let in_place = match base {
+                Base::Written { target, first } => {
+                    step_tables::decode_leading_groups_in_place(&mut steps, target, *first, w, &positions, signs, step_model, &mut planes)
+                }
+                Base::Read(_) => None,
+            };
+            (done, unchanged) = match in_place {
+                Some((taken, unchanged, moved)) => {
+                    *written = (taken, moved);
+                    (taken, unchanged)
+                }
+                None => step_tables::decode_leading_groups(&mut steps, base.words(), w, &positions, signs, step_model, kind == ChangeKind::Xor, &mut planes),
+            };
         }
+        let old = base.words();
         // Then four changes per round, one per rANS state, so that the
         // four chains overlap.
         let whole = done + (m - done) / 4 * 4;
@@ -1277,7 +1373,10 @@ fn decode_words<T: Word>(
             unchanged |= change::<T>(&local, kind, o, v, sign_bit(signs, j), &mut out);
             set_word(&mut planes, j, out);
         }
-        steps.finish(context)?;
+        if let Err(error) = steps.finish(context) {
+            put_back::<T>(base, &positions, &planes, written.0);
+            return Err(error);
+        }
     } else {
         let mut steps = StepModel::new(nctx);
         for (j, &p) in positions.iter().enumerate() {
@@ -1288,13 +1387,21 @@ fn decode_words<T: Word>(
             set_word(&mut planes, j, out);
         }
     }
-    if unchanged {
-        return Err(bad("a listed change does not change its element"));
-    }
-    if rc.overrun() {
-        return Err(bad("range-coded stream ends early"));
+    if unchanged || rc.overrun() {
+        put_back::<T>(base, &positions, &planes, written.0);
+        return Err(bad(if unchanged { "a listed change does not change its element" } else { "range-coded stream ends early" }));
     }
     Ok((positions, planes))
+}
+
+/// Undo the leading `count` XOR changes written into a written base.
+fn put_back<T: Word>(base: &mut Base<'_>, positions: &[u32], planes: &[Vec<u8>], count: usize) {
+    if let Base::Written { target, first } = base {
+        if count > 0 {
+            let heads: Vec<&[u8]> = planes.iter().map(|p| &p[..count]).collect();
+            super::apply_sparse::<T>(target, &positions[..count], &heads, ChangeKind::Xor, *first);
+        }
+    }
 }
 
 /// Word `j` of byte planes set to `v`.
@@ -1491,7 +1598,7 @@ mod tests {
                     if !members[c].is_multiple_of(64) {
                         *maps.words.last_mut().expect("a word") &= (1u64 << (members[c] % 64)) - 1;
                     }
-                    maps.words.resize(maps.words.len() + 2, 0);
+                    maps.words.resize(maps.words.len() + BITMAP_PADDING_WORDS, 0);
                 }
                 let want = expand_reference::<u16>(&old, &model, &buckets, &maps);
                 assert!(listed_count < 3 || !want.is_empty(), "{listed_count} listed buckets flag nothing");
@@ -1938,6 +2045,119 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Random changes of one word in `every` of `n` words of `old`: steps
+    /// of 1 to 2^12 ulps, up or down (the old words float-like).
+    fn stepped(next: &mut impl FnMut() -> u64, model: &ContextModel, old: &[u8], width: usize, every: u64) -> Vec<u8> {
+        let mut new = old.to_vec();
+        for i in 0..old.len() / width {
+            if next().is_multiple_of(every) {
+                let o = read_word(&old[i * width..][..width]);
+                let size = 1 + next() % (1 << (next() % 13));
+                let ord = if next() & 1 == 0 { model.ordinal(o).wrapping_add(size) } else { model.ordinal(o).wrapping_sub(size) };
+                let word = model.word_of_ordinal(ord & model.word_mask());
+                let word = if word == o { o ^ 1 } else { word };
+                new[i * width..][..width].copy_from_slice(&word.to_le_bytes()[..width]);
+            }
+        }
+        new
+    }
+
+    /// Decoding a chunk into its own base (`decode_split_in_place`) leaves
+    /// there what decoding it and then applying it leaves, with the same
+    /// positions, planes and digest move: every word width, both step
+    /// codings, chunks that start at and away from their tensor's first
+    /// element. Where the CPU has the in-place kernel, it is checked to
+    /// take most of the changes.
+    #[test]
+    fn decoding_in_place_writes_what_decoding_then_applying_writes() {
+        let mut next = super::super::tests::xorshift(0x2545_f491_4f6c_dd1d);
+        for (dtype, width) in [(Dtype::F8_E5M2, 1usize), (Dtype::BF16, 2), (Dtype::F16, 2), (Dtype::F32, 4), (Dtype::I32, 4), (Dtype::F64, 8)] {
+            let model = ContextModel::for_dtype(DType(dtype));
+            for (n, every, coding) in [(30_011usize, 5u64, StepCoding::Tables), (4000, 40, StepCoding::Adaptive)] {
+                let old = float_like_words(&mut next, n, width);
+                let new = stepped(&mut next, &model, &old, width, every);
+                let found = super::super::find_changes(&old, &new, width, ChangeKind::Xor).unwrap();
+                let m = found.positions.len();
+                let payload = encode_with(&old, &new, &found, &model, 1, coding);
+                let (positions, planes) = decode_split(&payload, &old, &model, m as u32, ChangeKind::Xor, "t").unwrap();
+                for first in [0u64, 1 << 20] {
+                    let mut applied = old.clone();
+                    let want_moved = match width {
+                        1 => super::super::apply_sparse::<u8>(&mut applied, &positions, &planes, ChangeKind::Xor, first),
+                        2 => super::super::apply_sparse::<u16>(&mut applied, &positions, &planes, ChangeKind::Xor, first),
+                        4 => super::super::apply_sparse::<u32>(&mut applied, &positions, &planes, ChangeKind::Xor, first),
+                        _ => super::super::apply_sparse::<u64>(&mut applied, &positions, &planes, ChangeKind::Xor, first),
+                    };
+                    assert_eq!(applied, new, "{dtype:?}, {coding:?}");
+                    let mut target = old.clone();
+                    let (p, q, moved) = decode_split_in_place(&payload, &mut target, first, &model, m as u32, "t").unwrap();
+                    assert!(target == new && p == positions && q == planes, "{dtype:?}, {coding:?}, first {first}: not what decode_split found");
+                    assert_eq!(moved, want_moved, "{dtype:?}, {coding:?}, first {first}: digest move");
+                }
+                #[cfg(target_arch = "x86_64")]
+                if coding == StepCoding::Tables && width <= 4 {
+                    let parsed = parse(&payload, n, m, model.contexts(), "t").unwrap();
+                    let mut d = step_tables::Decoder::new(parsed.tables.as_ref().unwrap(), model.contexts(), width, "t").unwrap();
+                    let mut planes = vec![vec![0u8; m]; width];
+                    let mut target = old.clone();
+                    if let Some((done, unchanged, _)) = step_tables::decode_leading_groups_in_place(&mut d, &mut target, 0, width, &found.positions, parsed.signs, model.step_model32(), &mut planes) {
+                        assert!(done > m / 2 && !unchanged, "{dtype:?}: the in-place kernel took {done} of {m} changes");
+                        assert_eq!(target[..found.positions[done - 1] as usize * width + width], new[..found.positions[done - 1] as usize * width + width], "{dtype:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// A payload found bad only after the in-place decoder has written some
+    /// of its changes (a forged step that wraps to its own word, in the
+    /// vector kernel's first group or in the scalar tail; bytes of the
+    /// steps' streams altered, which the states' end checks catch) leaves
+    /// the target as it was, and whatever decodes in place decodes the same
+    /// way with the target read only.
+    #[test]
+    fn a_payload_found_bad_after_changes_were_written_leaves_the_target_as_it_was() {
+        let mut next = super::super::tests::xorshift(0x1d8e_4e27_c47d_124f);
+        for (dtype, width) in [(Dtype::F8_E4M3, 1usize), (Dtype::BF16, 2), (Dtype::F32, 4)] {
+            let model = ContextModel::for_dtype(DType(dtype));
+            let n = 30_000;
+            let old = float_like_words(&mut next, n, width);
+            let new = stepped(&mut next, &model, &old, width, 4);
+            let found = super::super::find_changes(&old, &new, width, ChangeKind::Xor).unwrap();
+            let m = found.positions.len();
+            let payload = encode_with(&old, &new, &found, &model, 1, StepCoding::Tables);
+            let wrap = u64::MAX >> (64 - 8 * width);
+            let mut bad: Vec<Vec<u8>> = [0, m - 1]
+                .iter()
+                .map(|&j| encode_edited(&old, &new, &found, &model, 1, StepCoding::Tables, &|s: &mut Survey| s.magnitudes[j] = wrap))
+                .collect();
+            // A bit of the rANS section altered (the sixteen states, then
+            // the words), anywhere in it.
+            let rans = parse(&payload, n, m, model.contexts(), "t").unwrap().tables.expect("table-coded steps").rans();
+            let start = rans.as_ptr() as usize - payload.as_ptr() as usize;
+            for k in 0..40 {
+                let mut altered = payload.clone();
+                altered[start + k * (rans.len() - 1) / 39] ^= 1 << (k % 8);
+                bad.push(altered);
+            }
+            let mut refused = 0;
+            for forged in &bad {
+                let mut target = old.clone();
+                match decode_split_in_place(forged, &mut target, 0, &model, m as u32, "t") {
+                    Err(_) => {
+                        refused += 1;
+                        assert!(target == old, "{dtype:?}: a refused payload left words written");
+                        assert!(decode_split(forged, &old, &model, m as u32, ChangeKind::Xor, "t").is_err());
+                    }
+                    Ok((positions, planes, _)) => {
+                        assert_eq!(decode_split(forged, &old, &model, m as u32, ChangeKind::Xor, "t").unwrap(), (positions, planes));
+                    }
+                }
+            }
+            assert!(refused >= 2 + 20, "{dtype:?}: only {refused} of {} damaged payloads refused", bad.len());
         }
     }
 }

@@ -901,7 +901,7 @@ fn prefetch_words(base: *const u8, width: usize, positions: &[u32], from: usize,
 fn apply_sparse<T: Word>(
     target: &mut [u8],
     positions: &[u32],
-    planes: &[Vec<u8>],
+    planes: &[impl AsRef<[u8]>],
     kind: ChangeKind,
     first_element: u64,
 ) -> DigestSum {
@@ -909,7 +909,7 @@ fn apply_sparse<T: Word>(
     let m = positions.len();
     let mut lanes: [&[u8]; 8] = [&[]; 8];
     for (lane, plane) in lanes.iter_mut().zip(planes) {
-        *lane = &plane[..m];
+        *lane = &plane.as_ref()[..m];
     }
     let mut moves = DigestMoves::new(w);
     let xor = kind == ChangeKind::Xor;
@@ -1355,6 +1355,26 @@ pub fn decode_chunk_context(
     check_width(width)?;
     let (positions, planes) = context::decode_split(payload, base, model, n_changed, kind, context_name)?;
     Ok(DecodedChunk { width, inner: Decoded::Sparse { positions, planes } })
+}
+
+/// Decode a context-mode chunk of XOR changes against `target` (the
+/// chunk's current bytes, which must be the delta's base) and apply it
+/// there in the same pass: returns the decoded chunk (what undoes it) and
+/// the digest move of the words written (`first_element`: the chunk's
+/// first element in its tensor). On an error nothing of the chunk is left
+/// written.
+pub fn apply_chunk_context(
+    payload: &[u8],
+    target: &mut [u8],
+    width: usize,
+    model: &context::ContextModel,
+    n_changed: u32,
+    first_element: u64,
+    context_name: &str,
+) -> Result<(DecodedChunk, DigestSum)> {
+    check_width(width)?;
+    let (positions, planes, moved) = context::decode_split_in_place(payload, target, first_element, model, n_changed, context_name)?;
+    Ok((DecodedChunk { width, inner: Decoded::Sparse { positions, planes } }, moved))
 }
 
 impl DecodedChunk {

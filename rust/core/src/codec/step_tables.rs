@@ -554,6 +554,14 @@ pub(super) struct Sections<'a> {
     rans: &'a [u8],
 }
 
+#[cfg(test)]
+impl<'a> Sections<'a> {
+    /// The rANS section: the states, then the words.
+    pub(super) fn rans(&self) -> &'a [u8] {
+        self.rans
+    }
+}
+
 /// Split off the three sections at `payload[*pos..]`, advancing `pos`.
 pub(super) fn sections<'a>(payload: &'a [u8], pos: &mut usize, context: &str) -> Result<Sections<'a>> {
     let mut next = |name: &str| -> Result<&'a [u8]> {
@@ -925,6 +933,50 @@ pub(super) fn decode_leading_groups_with(
     (head, unchanged)
 }
 
+/// `decode_leading_groups` of XOR changes against `target`, the chunk
+/// itself, that also writes the new words of the changes it takes into
+/// `target` and returns their digest move (`first`: the chunk's first
+/// element in its tensor): how many it took (and wrote), whether one of
+/// them leaves its element as it was, and the move. `None` where this CPU
+/// has no such kernel for `steps` (AVX-512 VBMI and VAES), or an element's
+/// index in its tensor could reach 2^32; then nothing is written.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn decode_leading_groups_in_place(
+    steps: &mut Decoder,
+    target: &mut [u8],
+    first: u64,
+    width: usize,
+    positions: &[u32],
+    signs: &[u8],
+    model: crate::codec::gather_x86::StepModel32,
+    planes: &mut [Vec<u8>],
+) -> Option<(usize, bool, crate::digest::DigestSum)> {
+    if !avx512::vbmi_available(steps) || !crate::digest::avx512::available() || first + (target.len() / width) as u64 > 1 << 32 {
+        return None;
+    }
+    assert!(planes.len() == width && planes.iter().all(|p| p.len() == positions.len()), "one plane per byte of a word, a byte per change in each");
+    let head = crate::codec::gather_x86::kernel_prefix(positions, width, target.len(), 0) / LANES * LANES;
+    if head == 0 {
+        return Some((0, false, crate::digest::DigestSum::ZERO));
+    }
+    let (positions, mut heads): (&[u32], Vec<&mut [u8]>) = (&positions[..head], planes.iter_mut().map(|p| &mut p[..head]).collect());
+    let first = first as u32;
+    // Safety: `kernel_prefix` took only positions whose loads stay in
+    // `target` (so `width` is 1, 2 or 4); the CPU has AVX-512 VBMI and
+    // VAES, and the tables fit the byte lookups (checked just above), and
+    // every element's index in its tensor is below 2^32.
+    let (unchanged, moved) = unsafe {
+        match width {
+            1 => avx512::decode_groups_vbmi_in_place::<1>(steps, target, first, positions, signs, model, &mut heads),
+            2 => avx512::decode_groups_vbmi_in_place::<2>(steps, target, first, positions, signs, model, &mut heads),
+            _ => avx512::decode_groups_vbmi_in_place::<4>(steps, target, first, positions, signs, model, &mut heads),
+        }
+    };
+    Some((head, unchanged, moved))
+}
+
 /// The vector kernels' checks of their arguments: whole groups of sixteen
 /// changes, one value and one sign bit per change, a table for every
 /// context.
@@ -956,6 +1008,7 @@ pub(super) mod avx512 {
     use super::{class_of, Decoder, LANES, SCALE, SCALE_BITS, SLOT_CLASS_PADDING, STATE_LOW};
     use crate::codec::bits::BitWriter;
     use crate::codec::gather_x86::{self, gather_words, prefix_sum, HighWords, StepModel32};
+    use crate::digest::avx512::{add_moves, moves_sum, zero_moves, MoveAcc};
 
     /// Changes per block of `decode_groups`: their old words and tables
     /// are gathered first, then their states' chain runs.
@@ -1152,7 +1205,7 @@ pub(super) mod avx512 {
         planes: &mut [&mut [u8]],
     ) -> bool {
         // Safety: the caller's CPU has what this needs.
-        unsafe { groups::<W, false>(steps, old, positions, signs, model, xor, planes) }
+        unsafe { groups::<W, false, _>(steps, old.as_ptr(), positions, signs, model, xor, planes, &mut PlanesOnly) }
     }
 
     /// `decode_groups` with each change's table by byte permutes of a
@@ -1172,7 +1225,81 @@ pub(super) mod avx512 {
         planes: &mut [&mut [u8]],
     ) -> bool {
         // Safety: the caller's CPU has what this needs.
-        unsafe { groups::<W, true>(steps, old, positions, signs, model, xor, planes) }
+        unsafe { groups::<W, true, _>(steps, old.as_ptr(), positions, signs, model, xor, planes, &mut PlanesOnly) }
+    }
+
+    /// `decode_groups_vbmi` of XOR changes that also writes each group's
+    /// new words into `target` (the chunk, which is also the base read)
+    /// while they are in registers, and returns their digest move
+    /// (`first`: the chunk's first element in its tensor), so that no pass
+    /// gathers the old words again to apply the planes (the planes are
+    /// still written: they undo the chunk). Returns whether a change leaves
+    /// its element as it was, as `decode_groups` does.
+    ///
+    /// # Safety
+    /// As for `decode_groups_vbmi` with `old` the target, and the CPU has
+    /// VAES (`digest::avx512::available`); `first + position` is below
+    /// 2^32 for every position.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,aes,vaes")]
+    pub(in crate::codec) unsafe fn decode_groups_vbmi_in_place<const W: i32>(
+        steps: &mut Decoder,
+        target: &mut [u8],
+        first: u32,
+        positions: &[u32],
+        signs: &[u8],
+        model: StepModel32,
+        planes: &mut [&mut [u8]],
+    ) -> (bool, crate::digest::DigestSum) {
+        let out = target.as_mut_ptr();
+        let mut sink = InPlace { out, first: _mm512_set1_epi32(first as i32), moves: zero_moves() };
+        // Safety: the caller's CPU has what this needs; the base read and
+        // the words written are the same chunk, each change's word read
+        // (in its group's block) before it is written.
+        let unchanged = unsafe { groups::<W, true, _>(steps, out.cast_const(), positions, signs, model, true, planes, &mut sink) };
+        (unchanged, moves_sum(&sink.moves))
+    }
+
+    /// What becomes of each group's decoded words besides the planes.
+    trait GroupSink {
+        /// The group at `positions` (their vector `vp`): old words `vo`,
+        /// new words `vn`.
+        unsafe fn group<const W: i32>(&mut self, positions: &[u32], vp: __m512i, vo: __m512i, vn: __m512i);
+    }
+
+    /// Nothing more: the planes are the result.
+    struct PlanesOnly;
+
+    impl GroupSink for PlanesOnly {
+        #[inline(always)]
+        unsafe fn group<const W: i32>(&mut self, _: &[u32], _: __m512i, _: __m512i, _: __m512i) {}
+    }
+
+    /// The new words stored into the chunk at `out`, one by one (a 32-bit
+    /// scatter would also write the neighbouring words, which may belong to
+    /// a chunk another thread is writing), and their digest moves added up.
+    struct InPlace {
+        out: *mut u8,
+        /// The chunk's first element in its tensor, in every lane.
+        first: __m512i,
+        moves: MoveAcc,
+    }
+
+    impl GroupSink for InPlace {
+        #[inline(always)]
+        unsafe fn group<const W: i32>(&mut self, positions: &[u32], vp: __m512i, vo: __m512i, vn: __m512i) {
+            add_moves(&mut self.moves, _mm512_add_epi32(self.first, vp), vo, vn);
+            let mut words = [0u32; LANES];
+            _mm512_storeu_si512(words.as_mut_ptr().cast(), vn);
+            let group: &[u32; LANES] = positions.try_into().expect("a whole group");
+            for k in 0..LANES {
+                let p = group[k] as usize;
+                match W {
+                    1 => self.out.add(p).write(words[k] as u8),
+                    2 => self.out.add(2 * p).cast::<u16>().write_unaligned(words[k] as u16),
+                    _ => self.out.add(4 * p).cast::<u32>().write_unaligned(words[k]),
+                }
+            }
+        }
     }
 
     /// Whether `decode_groups_vbmi` can run here for `steps`: the CPU has
@@ -1182,15 +1309,17 @@ pub(super) mod avx512 {
     }
 
     /// The body of both AVX-512 step decoders, inlined into each.
+    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    unsafe fn groups<const W: i32, const VBMI: bool>(
+    unsafe fn groups<const W: i32, const VBMI: bool, S: GroupSink>(
         steps: &mut Decoder,
-        old: &[u8],
+        old: *const u8,
         positions: &[u32],
         signs: &[u8],
         model: StepModel32,
         xor: bool,
         planes: &mut [&mut [u8]],
+        sink: &mut S,
     ) -> bool {
         assert!(planes.len() == W as usize && planes.iter().all(|p| p.len() == positions.len()), "a plane per byte of a word, a byte per change in each");
         super::check_groups(steps, positions, signs, model, positions.len());
@@ -1226,7 +1355,7 @@ pub(super) mod avx512 {
         for (b, block) in positions.chunks(BLOCK).enumerate() {
             for (k, group) in block.chunks_exact(LANES).enumerate() {
                 let vp = _mm512_loadu_si512(group.as_ptr().cast());
-                let vo = gather_words::<W>(old.as_ptr(), 0xFFFF, vp);
+                let vo = gather_words::<W>(old, 0xFFFF, vp);
                 let context = _mm512_and_si512(_mm512_srl_epi32(vo, shift), context_mask);
                 _mm512_storeu_si512(olds.as_mut_ptr().add(LANES * k).cast(), vo);
                 let table = if VBMI {
@@ -1284,6 +1413,8 @@ pub(super) mod avx512 {
                 let step = _mm512_mask_sub_epi32(size, negative, zero, size);
                 let new = high.down(high.ordinal(_mm512_add_epi32(high.ordinal(high.up(vo)), high.up(step))), false);
                 unchanged |= _mm512_cmpeq_epi32_mask(new, vo);
+                let group = &positions[LANES * g..LANES * g + LANES];
+                sink.group::<W>(group, _mm512_loadu_si512(group.as_ptr().cast()), vo, new);
                 let value = if xor { _mm512_xor_si512(vo, new) } else { new };
                 // Byte `j` of the sixteen words to plane `j`.
                 for (j, plane) in planes.iter_mut().enumerate() {
