@@ -1272,15 +1272,12 @@ fn decode_words<T: Word>(
     let Base::Written { target, first } = base else {
         return decoded.map(|(positions, planes)| (positions, planes, None));
     };
+    // All decoded: the changes the kernel did not write, written now.
+    let (positions, planes) = decoded?;
     let (done, head_moved) = written;
-    match decoded {
-        Ok((positions, planes)) => {
-            let tails: Vec<&[u8]> = planes.iter().map(|p| &p[done..]).collect();
-            let moved = super::apply_sparse::<T>(target, &positions[done..], &tails, ChangeKind::Xor, *first);
-            Ok((positions, planes, Some(head_moved.plus(moved))))
-        }
-        Err(error) => Err(error),
-    }
+    let tails: Vec<&[u8]> = planes.iter().map(|p| &p[done..]).collect();
+    let moved = super::apply_sparse::<T>(target, &positions[done..], &tails, ChangeKind::Xor, *first);
+    Ok((positions, planes, Some(head_moved.plus(moved))))
 }
 
 /// The body of `decode_words`: into a written base, the leading `written.0`
