@@ -1294,8 +1294,8 @@ fn decode_words_into<T: Word>(
     expansion: Expansion,
     written: &mut (usize, DigestSum),
 ) -> Result<(Vec<u32>, Vec<Vec<u8>>)> {
-    let old = base.words();
-    let n = old.len() / T::BYTES;
+    let w = T::BYTES;
+    let n = base.words().len() / w;
     let m = n_changed as usize;
     let bad = |detail: &str| Error::corrupt(context, detail.to_string());
     let nctx = model.contexts();
@@ -1303,50 +1303,58 @@ fn decode_words_into<T: Word>(
     let mut rc = RangeDecoder::new(parsed.coded).ok_or_else(|| bad("range-coded stream too short"))?;
     let maps = rank_bitmaps(&parsed, n, &mut rc, context)?;
     let buckets = &parsed.buckets;
+    let signs = parsed.signs;
+    // The value words' bytes, plane by plane (as a chunk is applied).
+    let mut planes: Vec<Vec<u8>> = (0..w).map(|_| vec![0u8; m]).collect();
+    // The table-coded steps' decoder, and the changes it decoded while the
+    // positions were found (written in place, segment by segment).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+    let mut steps = parsed.tables.as_ref().map(|sections| step_tables::Decoder::new(sections, nctx, w, context)).transpose()?;
+    // Refused after the loop: a change that does not change its element.
+    let mut unchanged = false;
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    let mut segmented = false;
     let positions = match expansion {
-        Expansion::Elements => expand_reference::<T>(old, model, buckets, &maps),
+        Expansion::Elements => expand_reference::<T>(base.words(), model, buckets, &maps),
         #[cfg(target_arch = "x86_64")]
         Expansion::Blocks => {
             let listed: Vec<usize> = parsed.listed.iter().map(|l| l.bucket).collect();
             let mut positions = Vec::with_capacity(m + super::x86::SPARE);
-            super::x86::expand::<T>(old, model, buckets, &listed, &maps, &mut positions);
+            let in_place = match (&mut *base, steps.as_mut()) {
+                (Base::Written { target, first }, Some(steps)) => {
+                    let segments = super::x86::Segments::new::<T>(model, buckets, &listed, &maps, n, m);
+                    segments.zip(step_tables::InPlaceGroups::new(steps, *first, n)).map(|(segments, groups)| {
+                        decode_segments::<T>(segments, groups, steps, target, model, signs, &mut positions, &mut planes)
+                    })
+                }
+                _ => None,
+            };
+            match in_place {
+                Some(groups) => {
+                    (done, unchanged, segmented) = (groups.taken, groups.unchanged, true);
+                    *written = (groups.taken, groups.moved);
+                }
+                None => super::x86::expand::<T>(base.words(), model, buckets, &listed, &maps, &mut positions),
+            }
             positions
         }
     };
     if positions.len() != m {
+        put_back::<T>(base, &positions, &planes, written.0);
         return Err(bad("positions or steps left over after the last element"));
     }
     // The ulp steps, in element order. The coder's state and the model's
     // fields are kept in locals, so that they stay in registers.
-    let w = T::BYTES;
-    let signs = parsed.signs;
     let local = *model;
-    // The value words' bytes, plane by plane (as a chunk is applied).
-    let mut planes: Vec<Vec<u8>> = (0..w).map(|_| vec![0u8; m]).collect();
-    // Refused after the loop: a change that does not change its element.
-    let mut unchanged = false;
-    if let Some(sections) = &parsed.tables {
-        let mut steps = step_tables::Decoder::new(sections, nctx, w, context)?;
+    if let Some(mut steps) = steps {
         // Sixteen changes at a time where the CPU can (one per rANS state),
         // all but the last few.
-        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
-        let mut done = 0;
         #[cfg(target_arch = "x86_64")]
-        if expansion == Expansion::Blocks {
+        if expansion == Expansion::Blocks && !segmented {
             let step_model = model.step_model32();
-            let in_place = match base {
-                Base::Written { target, first } => {
-                    step_tables::decode_leading_groups_in_place(&mut steps, target, *first, w, &positions, signs, step_model, &mut planes)
-                }
-                Base::Read(_) => None,
-            };
-            (done, unchanged) = match in_place {
-                Some((taken, unchanged, moved)) => {
-                    *written = (taken, moved);
-                    (taken, unchanged)
-                }
-                None => step_tables::decode_leading_groups(&mut steps, base.words(), w, &positions, signs, step_model, kind == ChangeKind::Xor, &mut planes),
-            };
+            (done, unchanged) = step_tables::decode_leading_groups(&mut steps, base.words(), w, &positions, signs, step_model, kind == ChangeKind::Xor, &mut planes);
         }
         let old = base.words();
         // Then four changes per round, one per rANS state, so that the
@@ -1375,6 +1383,7 @@ fn decode_words_into<T: Word>(
             return Err(error);
         }
     } else {
+        let old = base.words();
         let mut steps = StepModel::new(nctx);
         for (j, &p) in positions.iter().enumerate() {
             let o = T::load(&old[p as usize * w..][..w]);
@@ -1389,6 +1398,39 @@ fn decode_words_into<T: Word>(
         return Err(bad(if unchanged { "a listed change does not change its element" } else { "range-coded stream ends early" }));
     }
     Ok((positions, planes))
+}
+
+/// Elements a segmented expansion finds the changes of before the step
+/// decoder takes them (256 KiB of 2-byte words): their words are then
+/// still in L2 when the decoder gathers and writes them, where a chunk of
+/// 4 MiB expanded whole has left L2 by then.
+#[cfg(target_arch = "x86_64")]
+const SEGMENT_ELEMENTS: usize = 1 << 17;
+
+/// Expand `target`'s positions a segment at a time, and after each decode
+/// in place the whole groups of changes found so far (`positions`, which
+/// has room for the chunk's changes plus `x86::SPARE`; `planes` the
+/// chunk's value planes). Returns what the step decoder took.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn decode_segments<T: Word>(
+    mut segments: super::x86::Segments<'_>,
+    mut groups: step_tables::InPlaceGroups,
+    steps: &mut step_tables::Decoder,
+    target: &mut [u8],
+    model: &ContextModel,
+    signs: &[u8],
+    positions: &mut Vec<u32>,
+    planes: &mut [Vec<u8>],
+) -> step_tables::InPlaceGroups {
+    let w = T::BYTES;
+    let n = target.len() / w;
+    for start in (0..n).step_by(SEGMENT_ELEMENTS) {
+        let end = (start + SEGMENT_ELEMENTS).min(n);
+        segments.expand::<T>(&target[start * w..end * w], start, positions);
+        groups.take(steps, target, w, positions, signs, model.step_model32(), planes);
+    }
+    groups
 }
 
 /// Undo the leading `count` XOR changes written into a written base.
@@ -1650,6 +1692,30 @@ mod tests {
                 };
                 for &kernel in &kernels {
                     assert_eq!(run(kernel), found.positions, "{kernel:?}: {dtype:?}, {n} elements, 1 in {every} changed");
+                }
+                // A segment at a time, segments of one to three blocks.
+                let segmented = |width: usize| -> Option<Vec<u32>> {
+                    let mut positions = Vec::with_capacity(m + x86::SPARE);
+                    macro_rules! walk {
+                        ($t:ty) => {{
+                            let mut segments = x86::Segments::new::<$t>(&model, buckets, &listed, &maps, n, m)?;
+                            let mut start = 0;
+                            while start < n {
+                                let end = (start + 256 * (1 + start % 3)).min(n);
+                                segments.expand::<$t>(&old[start * width..end * width], start, &mut positions);
+                                start = end;
+                            }
+                        }};
+                    }
+                    match width {
+                        1 => walk!(u8),
+                        2 => walk!(u16),
+                        _ => walk!(u32),
+                    }
+                    Some(positions)
+                };
+                if let Some(positions) = segmented(width) {
+                    assert_eq!(positions, found.positions, "segments: {dtype:?}, {n} elements, 1 in {every} changed");
                 }
             }
         }
@@ -2073,7 +2139,10 @@ mod tests {
         let mut next = super::super::tests::xorshift(0x2545_f491_4f6c_dd1d);
         for (dtype, width) in [(Dtype::F8_E5M2, 1usize), (Dtype::BF16, 2), (Dtype::F16, 2), (Dtype::F32, 4), (Dtype::I32, 4), (Dtype::F64, 8)] {
             let model = ContextModel::for_dtype(DType(dtype));
-            for (n, every, coding) in [(30_011usize, 5u64, StepCoding::Tables), (4000, 40, StepCoding::Adaptive)] {
+            // One segment of the in-place decoder, several (the last
+            // partial), and adaptive steps.
+            let several = 2 * SEGMENT_ELEMENTS + 3 * 256 + 7;
+            for (n, every, coding) in [(30_011usize, 5u64, StepCoding::Tables), (several, 9, StepCoding::Tables), (4000, 40, StepCoding::Adaptive)] {
                 let old = float_like_words(&mut next, n, width);
                 let new = stepped(&mut next, &model, &old, width, every);
                 let found = super::super::find_changes(&old, &new, width, ChangeKind::Xor).unwrap();
@@ -2100,8 +2169,13 @@ mod tests {
                     let mut d = step_tables::Decoder::new(parsed.tables.as_ref().unwrap(), model.contexts(), width, "t").unwrap();
                     let mut planes = vec![vec![0u8; m]; width];
                     let mut target = old.clone();
-                    if let Some((done, unchanged, _)) = step_tables::decode_leading_groups_in_place(&mut d, &mut target, 0, width, &found.positions, parsed.signs, model.step_model32(), &mut planes) {
-                        assert!(done > m / 2 && !unchanged, "{dtype:?}: the in-place kernel took {done} of {m} changes");
+                    if let Some(mut groups) = step_tables::InPlaceGroups::new(&d, 0, n) {
+                        // Found in two parts, as the segmented expansion hands them over.
+                        for part in [&found.positions[..m / 3], &found.positions[..]] {
+                            groups.take(&mut d, &mut target, width, part, parsed.signs, model.step_model32(), &mut planes);
+                        }
+                        let done = groups.taken;
+                        assert!(done > m / 2 && !groups.unchanged, "{dtype:?}: the in-place kernel took {done} of {m} changes");
                         assert_eq!(target[..found.positions[done - 1] as usize * width + width], new[..found.positions[done - 1] as usize * width + width], "{dtype:?}");
                     }
                 }
@@ -2112,15 +2186,16 @@ mod tests {
     /// A payload found bad only after the in-place decoder has written some
     /// of its changes (a forged step that wraps to its own word, in the
     /// vector kernel's first group or in the scalar tail; bytes of the
-    /// steps' streams altered, which the states' end checks catch) leaves
-    /// the target as it was, and whatever decodes in place decodes the same
-    /// way with the target read only.
+    /// steps' streams altered, which the states' end checks catch; a base
+    /// whose exponents differ, so that the segments find other positions)
+    /// leaves the target as it was, and whatever decodes in place decodes
+    /// the same way with the target read only. Chunks of one segment and
+    /// of several.
     #[test]
     fn a_payload_found_bad_after_changes_were_written_leaves_the_target_as_it_was() {
         let mut next = super::super::tests::xorshift(0x1d8e_4e27_c47d_124f);
-        for (dtype, width) in [(Dtype::F8_E4M3, 1usize), (Dtype::BF16, 2), (Dtype::F32, 4)] {
+        for (dtype, width, n) in [(Dtype::F8_E4M3, 1usize, 30_000), (Dtype::BF16, 2, 30_000), (Dtype::F32, 4, 30_000), (Dtype::BF16, 2, 3 * SEGMENT_ELEMENTS)] {
             let model = ContextModel::for_dtype(DType(dtype));
-            let n = 30_000;
             let old = float_like_words(&mut next, n, width);
             let new = stepped(&mut next, &model, &old, width, 4);
             let found = super::super::find_changes(&old, &new, width, ChangeKind::Xor).unwrap();
@@ -2140,21 +2215,33 @@ mod tests {
                 altered[start + k * (rans.len() - 1) / 39] ^= 1 << (k % 8);
                 bad.push(altered);
             }
+            // The payload as encoded against bases whose exponents differ
+            // here and there (after the first segment, where the chunk has
+            // several).
+            let mut bases = Vec::new();
+            for k in 1..6usize {
+                let mut other = old.clone();
+                for i in (k * n / 7..n).step_by(97 * k) {
+                    other[i * width + width - 1] ^= 0x10;
+                }
+                bases.push(other);
+            }
             let mut refused = 0;
-            for forged in &bad {
-                let mut target = old.clone();
+            let cases = bad.iter().map(|forged| (forged, &old)).chain(bases.iter().map(|base| (&payload, base)));
+            for (forged, base) in cases {
+                let mut target = base.clone();
                 match decode_split_in_place(forged, &mut target, 0, &model, m as u32, "t") {
                     Err(_) => {
                         refused += 1;
-                        assert!(target == old, "{dtype:?}: a refused payload left words written");
-                        assert!(decode_split(forged, &old, &model, m as u32, ChangeKind::Xor, "t").is_err());
+                        assert!(&target == base, "{dtype:?}: a refused payload left words written");
+                        assert!(decode_split(forged, base, &model, m as u32, ChangeKind::Xor, "t").is_err());
                     }
                     Ok((positions, planes, _)) => {
-                        assert_eq!(decode_split(forged, &old, &model, m as u32, ChangeKind::Xor, "t").unwrap(), (positions, planes));
+                        assert_eq!(decode_split(forged, base, &model, m as u32, ChangeKind::Xor, "t").unwrap(), (positions, planes));
                     }
                 }
             }
-            assert!(refused >= 2 + 20, "{dtype:?}: only {refused} of {} damaged payloads refused", bad.len());
+            assert!(refused >= 2 + 20 + 3, "{dtype:?}: only {refused} of {} damaged payloads and bases refused", bad.len() + bases.len());
         }
     }
 }

@@ -933,48 +933,76 @@ pub(super) fn decode_leading_groups_with(
     (head, unchanged)
 }
 
-/// `decode_leading_groups` of XOR changes against `target`, the chunk
-/// itself, that also writes the new words of the changes it takes into
-/// `target` and returns their digest move (`first`: the chunk's first
-/// element in its tensor): how many it took (and wrote), whether one of
-/// them leaves its element as it was, and the move. `None` where this CPU
-/// has no such kernel for `steps` (AVX-512 VBMI and VAES), or an element's
-/// index in its tensor could reach 2^32; then nothing is written.
+/// The in-place step decoding of a chunk's XOR changes, where this CPU has
+/// its kernel (AVX-512 VBMI and VAES) for `steps`: `decode_leading_groups`
+/// that also writes the new words of the changes it takes into the chunk
+/// it decodes against and adds up their digest moves. The changes come a
+/// few at a time (as a segmented expansion finds them).
 #[cfg(target_arch = "x86_64")]
-#[allow(unsafe_code)]
-#[allow(clippy::too_many_arguments)]
-pub(super) fn decode_leading_groups_in_place(
-    steps: &mut Decoder,
-    target: &mut [u8],
-    first: u64,
-    width: usize,
-    positions: &[u32],
-    signs: &[u8],
-    model: crate::codec::gather_x86::StepModel32,
-    planes: &mut [Vec<u8>],
-) -> Option<(usize, bool, crate::digest::DigestSum)> {
-    if !avx512::vbmi_available(steps) || !crate::digest::avx512::available() || first + (target.len() / width) as u64 > 1 << 32 {
-        return None;
-    }
-    assert!(planes.len() == width && planes.iter().all(|p| p.len() == positions.len()), "one plane per byte of a word, a byte per change in each");
-    let head = crate::codec::gather_x86::kernel_prefix(positions, width, target.len(), 0) / LANES * LANES;
-    if head == 0 {
-        return Some((0, false, crate::digest::DigestSum::ZERO));
-    }
-    let (positions, mut heads): (&[u32], Vec<&mut [u8]>) = (&positions[..head], planes.iter_mut().map(|p| &mut p[..head]).collect());
-    let first = first as u32;
-    // Safety: `kernel_prefix` took only positions whose loads stay in
-    // `target` (so `width` is 1, 2 or 4); the CPU has AVX-512 VBMI and
-    // VAES, and the tables fit the byte lookups (checked just above), and
-    // every element's index in its tensor is below 2^32.
-    let (unchanged, moved) = unsafe {
-        match width {
-            1 => avx512::decode_groups_vbmi_in_place::<1>(steps, target, first, positions, signs, model, &mut heads),
-            2 => avx512::decode_groups_vbmi_in_place::<2>(steps, target, first, positions, signs, model, &mut heads),
-            _ => avx512::decode_groups_vbmi_in_place::<4>(steps, target, first, positions, signs, model, &mut heads),
+pub(super) struct InPlaceGroups {
+    /// The chunk's first element in its tensor.
+    first: u32,
+    /// Changes taken (and written) so far, a whole number of groups.
+    pub(super) taken: usize,
+    /// Whether one of them leaves its element as it was.
+    pub(super) unchanged: bool,
+    pub(super) moved: crate::digest::DigestSum,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl InPlaceGroups {
+    /// `None` where this CPU has no such kernel for `steps`, or an
+    /// element's index in its tensor (`first` and on, `n` elements) could
+    /// reach 2^32.
+    pub(super) fn new(steps: &Decoder, first: u64, n: usize) -> Option<Self> {
+        if !avx512::vbmi_available(steps) || !crate::digest::avx512::available() || first + n as u64 > 1 << 32 {
+            return None;
         }
-    };
-    Some((head, unchanged, moved))
+        Some(InPlaceGroups { first: first as u32, taken: 0, unchanged: false, moved: crate::digest::DigestSum::ZERO })
+    }
+
+    /// Decode and write the whole groups of `positions` (the chunk's
+    /// changes found so far, of `width`-byte words) after those already
+    /// taken, as far as their 4-byte loads stay inside `target`; their
+    /// steps' signs from `signs`, their value words into `planes` (one per
+    /// byte of a word, a byte per change of the chunk).
+    #[allow(unsafe_code)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn take(
+        &mut self,
+        steps: &mut Decoder,
+        target: &mut [u8],
+        width: usize,
+        positions: &[u32],
+        signs: &[u8],
+        model: crate::codec::gather_x86::StepModel32,
+        planes: &mut [Vec<u8>],
+    ) {
+        let from = self.taken;
+        let fresh = &positions[from..];
+        let head = crate::codec::gather_x86::kernel_prefix(fresh, width, target.len(), 0) / LANES * LANES;
+        if head == 0 {
+            return;
+        }
+        assert!(planes.len() == width && planes.iter().all(|p| p.len() >= from + head), "one plane per byte of a word, a byte per change in each");
+        let mut heads: Vec<&mut [u8]> = planes.iter_mut().map(|p| &mut p[from..from + head]).collect();
+        // Whole groups taken so far: the signs of the next start at a byte.
+        let signs = &signs[from / 8..];
+        // Safety: `kernel_prefix` took only positions whose loads stay in
+        // `target` (so `width` is 1, 2 or 4); `new` found AVX-512 VBMI and
+        // VAES, tables that fit the byte lookups, and every element's index
+        // in its tensor below 2^32.
+        let (unchanged, moved) = unsafe {
+            match width {
+                1 => avx512::decode_groups_vbmi_in_place::<1>(steps, target, self.first, &fresh[..head], signs, model, &mut heads),
+                2 => avx512::decode_groups_vbmi_in_place::<2>(steps, target, self.first, &fresh[..head], signs, model, &mut heads),
+                _ => avx512::decode_groups_vbmi_in_place::<4>(steps, target, self.first, &fresh[..head], signs, model, &mut heads),
+            }
+        };
+        self.taken += head;
+        self.unchanged |= unchanged;
+        self.moved = self.moved.plus(moved);
+    }
 }
 
 /// The vector kernels' checks of their arguments: whole groups of sixteen

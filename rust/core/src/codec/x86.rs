@@ -184,10 +184,11 @@ pub(super) fn expand_with<T: Word>(
             // Safety: checked just above.
             #[allow(unsafe_code)]
             unsafe {
+                let mut cursors = start_cursors(listed, maps);
                 if per_block >= 2 {
-                    expand_avx512::<T, LANES, true>(old, &walk, listed, maps, positions)
+                    expand_avx512::<T, LANES, true>(old, &walk, &maps.words, &mut cursors, 0, positions)
                 } else {
-                    expand_avx512::<T, LANES, false>(old, &walk, listed, maps, positions)
+                    expand_avx512::<T, LANES, false>(old, &walk, &maps.words, &mut cursors, 0, positions)
                 }
             }
         }
@@ -196,10 +197,11 @@ pub(super) fn expand_with<T: Word>(
             // Safety: checked just above.
             #[allow(unsafe_code)]
             unsafe {
+                let mut cursors = start_cursors(listed, maps);
                 if per_block >= 2 {
-                    expand_avx512_vbmi::<T, LANES, true>(old, &walk, listed, maps, positions)
+                    expand_avx512_vbmi::<T, LANES, true>(old, &walk, &maps.words, &mut cursors, 0, positions)
                 } else {
-                    expand_avx512_vbmi::<T, LANES, false>(old, &walk, listed, maps, positions)
+                    expand_avx512_vbmi::<T, LANES, false>(old, &walk, &maps.words, &mut cursors, 0, positions)
                 }
             }
         }
@@ -317,49 +319,104 @@ unsafe fn compress_positions(at: &mut [MaybeUninit<u32>], start: usize, changed:
 /// straight into a mask, and one deposit.
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f,avx512bw,avx2,bmi1,bmi2,popcnt")]
-unsafe fn expand_avx512<T: Word, const L: usize, const COMPRESS: bool>(old: &[u8], walk: &Walk, listed: &[usize], maps: &RankBitmaps, positions: &mut Vec<u32>) {
+unsafe fn expand_avx512<T: Word, const L: usize, const COMPRESS: bool>(old: &[u8], walk: &Walk, words: &[u64], cursors: &mut Vec<Cursor>, offset: usize, positions: &mut Vec<u32>) {
     // Safety: the caller's CPU has these features.
-    unsafe { expand_blocks::<T, L, false, COMPRESS>(old, walk, listed, maps, positions) }
+    unsafe { expand_blocks::<T, L, false, COMPRESS>(old, walk, words, cursors, offset, positions) }
 }
 
 /// `expand_avx512` with the bucket ids by table lookup: may only run where
 /// `vbmi_available()`.
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx2,bmi1,bmi2,popcnt")]
-unsafe fn expand_avx512_vbmi<T: Word, const L: usize, const COMPRESS: bool>(old: &[u8], walk: &Walk, listed: &[usize], maps: &RankBitmaps, positions: &mut Vec<u32>) {
+unsafe fn expand_avx512_vbmi<T: Word, const L: usize, const COMPRESS: bool>(old: &[u8], walk: &Walk, words: &[u64], cursors: &mut Vec<Cursor>, offset: usize, positions: &mut Vec<u32>) {
     // Safety: the caller's CPU has these features.
-    unsafe { expand_blocks::<T, L, true, COMPRESS>(old, walk, listed, maps, positions) }
+    unsafe { expand_blocks::<T, L, true, COMPRESS>(old, walk, words, cursors, offset, positions) }
+}
+
+/// A listed bucket's walk over its rank bitmap: the bucket, the bit of
+/// the bitmaps' words that holds the flag of its next element, and the
+/// end of its bitmap.
+type Cursor = (u8, usize, usize);
+
+/// The listed buckets' walks from their first elements.
+fn start_cursors(listed: &[usize], maps: &RankBitmaps) -> Vec<Cursor> {
+    cursors(listed, maps).collect()
+}
+
+/// The expansion over a chunk's elements a segment at a time, in order
+/// (the AVX-512 kernels): so that a decoder can decode the changes of one
+/// segment while its words are still in the caches, before the next is
+/// read.
+pub(super) struct Segments<'m> {
+    kernel: Kernel,
+    compress: bool,
+    walk: Walk,
+    words: &'m [u64],
+    cursors: Vec<Cursor>,
+}
+
+impl<'m> Segments<'m> {
+    /// For a chunk of `n` elements with `m` changes; `None` where the CPU
+    /// has no AVX-512 kernel (or the model does not suit them).
+    pub(super) fn new<T: Word>(model: &ContextModel, buckets: &Buckets, listed: &[usize], maps: &'m RankBitmaps, n: usize, m: usize) -> Option<Self> {
+        let kernel = widest();
+        if kernel == Kernel::Avx2 || !available() || model.contexts() > 256 || T::BYTES > 4 {
+            return None;
+        }
+        // Compresses from two changes per 64 elements up (`expand_with`).
+        let compress = 64 * m / n.max(1) >= 2;
+        Some(Segments { kernel, compress, walk: Walk::new(model, buckets), words: &maps.words, cursors: start_cursors(listed, maps) })
+    }
+
+    /// Expand the segment `old` (whole blocks of `64 * LANES` elements but
+    /// at the chunk's end), whose first element is the chunk's `offset`:
+    /// its changed positions appended to `positions`, which has room for
+    /// the listed total plus `SPARE`.
+    pub(super) fn expand<T: Word>(&mut self, old: &[u8], offset: usize, positions: &mut Vec<u32>) {
+        debug_assert!(offset.is_multiple_of(64 * LANES));
+        // Safety: `new` found the kernel's features on this CPU.
+        #[allow(unsafe_code)]
+        unsafe {
+            let (walk, words, cursors) = (&self.walk, self.words, &mut self.cursors);
+            match (self.kernel, self.compress) {
+                (Kernel::Avx512Vbmi, true) => expand_avx512_vbmi::<T, LANES, true>(old, walk, words, cursors, offset, positions),
+                (Kernel::Avx512Vbmi, false) => expand_avx512_vbmi::<T, LANES, false>(old, walk, words, cursors, offset, positions),
+                (_, true) => expand_avx512::<T, LANES, true>(old, walk, words, cursors, offset, positions),
+                (_, false) => expand_avx512::<T, LANES, false>(old, walk, words, cursors, offset, positions),
+            }
+        }
+    }
 }
 
 /// The body of the AVX-512 expansions, inlined into each (`VBMI`: the
-/// bucket ids by table lookup).
+/// bucket ids by table lookup): the blocks of `old` (a segment whose first
+/// element is the chunk's `offset`), the walks continued from `cursors`
+/// (and left where they stop), the positions appended to `positions`.
 ///
 /// # Safety
 /// The CPU must have AVX-512 F and BW, BMI1, BMI2 and POPCNT, and AVX-512
-/// VBMI when `VBMI`.
+/// VBMI when `VBMI`; `positions` has room for the listed total plus
+/// `SPARE`.
 #[allow(unsafe_code)]
 #[inline(always)]
 unsafe fn expand_blocks<T: Word, const L: usize, const VBMI: bool, const COMPRESS: bool>(
     old: &[u8],
     walk: &Walk,
-    listed: &[usize],
-    maps: &RankBitmaps,
+    words: &[u64],
+    cursors: &mut Vec<Cursor>,
+    offset: usize,
     positions: &mut Vec<u32>,
 ) {
     let w = T::BYTES;
     let n = old.len() / w;
-    if listed.is_empty() {
-        positions.clear();
-        return;
-    }
     const { assert!(L <= BITMAP_PADDING_WORDS) };
+    let before = positions.len();
     let mut count = 0usize;
-    let words = &maps.words[..];
     // Every listed bucket is walked in every block, present or not: a loop
     // of fixed trip count, whose exit is always predicted (walking only the
     // buckets present took 5-15 % more time, Intel Xeon). Per bucket: its
     // probe, next flag and end.
-    let mut cursors: Vec<(__m512i, usize, usize)> = cursors(listed, maps).map(|(c, next, end)| (_mm512_set1_epi8(c as i8), next, end)).collect();
+    let mut walks: Vec<(__m512i, Cursor)> = cursors.iter().map(|&(c, next, end)| (_mm512_set1_epi8(c as i8), (c, next, end))).collect();
     for start in (0..n).step_by(64 * L) {
         // A bucket whose walk has reached its bitmap's end flags nothing
         // more: it leaves the walk (and once none is left, the chunk's
@@ -369,16 +426,16 @@ unsafe fn expand_blocks<T: Word, const L: usize, const VBMI: bool, const COMPRES
         // clamp per window (the context apply 0.99 of the time, fp32m
         // 10->15, paired, Intel Xeon: the walk waits mostly on the loads
         // of `old`).
-        if cursors.iter().any(|&(_, next, end)| next >= end) {
-            cursors.retain(|&(_, next, end)| next < end);
-            if cursors.is_empty() {
-                break;
-            }
+        if walks.iter().any(|&(_, (_, next, end))| next >= end) {
+            walks.retain(|&(_, (_, next, end))| next < end);
+        }
+        if walks.is_empty() {
+            break;
         }
         // Safety: these kernels run only where the CPU has AVX-512 F and BW.
         let (v, valid) = unsafe { wide_lanes::<T, L, VBMI>(old, start, walk) };
         let mut changed = [0u64; L];
-        for (probe, next_bit, _) in cursors.iter_mut() {
+        for (probe, (_, next_bit, _)) in walks.iter_mut() {
             let mut bit = *next_bit;
             for lane in 0..L {
                 let m = _mm512_cmpeq_epi8_mask(v[lane], *probe) & valid[lane];
@@ -394,15 +451,17 @@ unsafe fn expand_blocks<T: Word, const L: usize, const VBMI: bool, const COMPRES
             let at = &mut positions.spare_capacity_mut()[count..count + SPARE];
             count += if COMPRESS {
                 // Safety: the CPU has AVX-512 F (the caller's).
-                unsafe { compress_positions(at, start + 64 * lane, bits) }
+                unsafe { compress_positions(at, offset + start + 64 * lane, bits) }
             } else {
-                write_positions::<4>(at, start + 64 * lane, bits)
+                write_positions::<4>(at, offset + start + 64 * lane, bits)
             };
         }
     }
+    // The walks left (where each stopped), for the next segment.
+    *cursors = walks.into_iter().map(|(_, cursor)| cursor).collect();
     // Safety: each slot below `count` was written (the kernels write every
     // slot from a block's first up to its last change, and more).
-    unsafe { positions.set_len(count) };
+    unsafe { positions.set_len(before + count) };
 }
 
 /// The bucket ids of the `64 * L` words of `old` from word `start`, as
