@@ -1404,7 +1404,7 @@ fn decode_words_into<T: Word>(
 /// decoder takes them (256 KiB of 2-byte words): their words are then
 /// still in L2 when the decoder gathers and writes them, where a chunk of
 /// 4 MiB expanded whole has left L2 by then.
-#[cfg(target_arch = "x86_64")]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const SEGMENT_ELEMENTS: usize = 1 << 17;
 
 /// Expand `target`'s positions a segment at a time, and after each decode
