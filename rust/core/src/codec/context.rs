@@ -1266,34 +1266,10 @@ fn decode_words<T: Word>(
     expansion: Expansion,
 ) -> Result<DecodedWords> {
     debug_assert!(matches!(base, Base::Read(_)) || kind == ChangeKind::Xor, "a written base takes XOR changes");
-    // Changes already written into a written base, and their digest move.
+    // Changes already written into a written base, and their digest move:
+    // put back before any error returns.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
     let mut written = (0usize, DigestSum::ZERO);
-    let decoded = decode_words_into::<T>(payload, base, model, n_changed, kind, context, expansion, &mut written);
-    let Base::Written { target, first } = base else {
-        return decoded.map(|(positions, planes)| (positions, planes, None));
-    };
-    // All decoded: the changes the kernel did not write, written now.
-    let (positions, planes) = decoded?;
-    let (done, head_moved) = written;
-    let tails: Vec<&[u8]> = planes.iter().map(|p| &p[done..]).collect();
-    let moved = super::apply_sparse::<T>(target, &positions[done..], &tails, ChangeKind::Xor, *first);
-    Ok((positions, planes, Some(head_moved.plus(moved))))
-}
-
-/// The body of `decode_words`: into a written base, the leading `written.0`
-/// changes are also written, with digest move `written.1`. On an error
-/// those are put back before it returns.
-#[allow(clippy::too_many_arguments)]
-fn decode_words_into<T: Word>(
-    payload: &[u8],
-    base: &mut Base<'_>,
-    model: &ContextModel,
-    n_changed: u32,
-    kind: ChangeKind,
-    context: &str,
-    expansion: Expansion,
-    written: &mut (usize, DigestSum),
-) -> Result<(Vec<u32>, Vec<Vec<u8>>)> {
     let w = T::BYTES;
     let n = base.words().len() / w;
     let m = n_changed as usize;
@@ -1334,7 +1310,7 @@ fn decode_words_into<T: Word>(
             match in_place {
                 Some(groups) => {
                     (done, unchanged, segmented) = (groups.taken, groups.unchanged, true);
-                    *written = (groups.taken, groups.moved);
+                    written = (groups.taken, groups.moved);
                 }
                 None => super::x86::expand::<T>(base.words(), model, buckets, &listed, &maps, &mut positions),
             }
@@ -1397,7 +1373,17 @@ fn decode_words_into<T: Word>(
         put_back::<T>(base, &positions, &planes, written.0);
         return Err(bad(if unchanged { "a listed change does not change its element" } else { "range-coded stream ends early" }));
     }
-    Ok((positions, planes))
+    // All decoded: into a written base, the changes the kernel did not
+    // write, written now.
+    let moved = match base {
+        Base::Read(_) => None,
+        Base::Written { target, first } => {
+            let (done, head_moved) = written;
+            let tails: Vec<&[u8]> = planes.iter().map(|p| &p[done..]).collect();
+            Some(head_moved.plus(super::apply_sparse::<T>(target, &positions[done..], &tails, ChangeKind::Xor, *first)))
+        }
+    };
+    Ok((positions, planes, moved))
 }
 
 /// Elements a segmented expansion finds the changes of before the step

@@ -175,35 +175,10 @@ pub(super) fn expand_with<T: Word>(
                 _ => unsafe { expand_avx2::<T, 12>(old, &walk, listed, maps, positions) },
             }
         }
-        // Positions by compresses from two changes per 64 elements up: on
-        // fp32m 10->15 (6 per 64) that took 15 % fewer of the expansion's
-        // samples than a write per change (Zen 4), on 10->11 (2 per 64)
-        // about as many, and on sparser chunks more.
-        Kernel::Avx512 => {
-            assert!(wide_available(), "the caller checks the CPU");
-            // Safety: checked just above.
-            #[allow(unsafe_code)]
-            unsafe {
-                let mut cursors = start_cursors(listed, maps);
-                if per_block >= 2 {
-                    expand_avx512::<T, LANES, true>(old, &walk, &maps.words, &mut cursors, 0, positions)
-                } else {
-                    expand_avx512::<T, LANES, false>(old, &walk, &maps.words, &mut cursors, 0, positions)
-                }
-            }
-        }
-        Kernel::Avx512Vbmi => {
-            assert!(vbmi_available(), "the caller checks the CPU");
-            // Safety: checked just above.
-            #[allow(unsafe_code)]
-            unsafe {
-                let mut cursors = start_cursors(listed, maps);
-                if per_block >= 2 {
-                    expand_avx512_vbmi::<T, LANES, true>(old, &walk, &maps.words, &mut cursors, 0, positions)
-                } else {
-                    expand_avx512_vbmi::<T, LANES, false>(old, &walk, &maps.words, &mut cursors, 0, positions)
-                }
-            }
+        // The whole chunk as one segment.
+        Kernel::Avx512 | Kernel::Avx512Vbmi => {
+            assert!(if kernel == Kernel::Avx512 { wide_available() } else { vbmi_available() }, "the caller checks the CPU");
+            Segments { kernel, compress: per_block >= 2, walk, words: &maps.words, cursors: cursors(listed, maps).collect() }.expand::<T>(old, 0, positions);
         }
     }
 }
@@ -338,17 +313,17 @@ unsafe fn expand_avx512_vbmi<T: Word, const L: usize, const COMPRESS: bool>(old:
 /// end of its bitmap.
 type Cursor = (u8, usize, usize);
 
-/// The listed buckets' walks from their first elements.
-fn start_cursors(listed: &[usize], maps: &RankBitmaps) -> Vec<Cursor> {
-    cursors(listed, maps).collect()
-}
-
 /// The expansion over a chunk's elements a segment at a time, in order
 /// (the AVX-512 kernels): so that a decoder can decode the changes of one
 /// segment while its words are still in the caches, before the next is
 /// read.
 pub(super) struct Segments<'m> {
+    /// `Avx512` or `Avx512Vbmi`.
     kernel: Kernel,
+    /// Positions by compresses, from two changes per 64 elements up: on
+    /// fp32m 10->15 (6 per 64) that took 15 % fewer of the expansion's
+    /// samples than a write per change (Zen 4), on 10->11 (2 per 64)
+    /// about as many, and on sparser chunks more.
     compress: bool,
     walk: Walk,
     words: &'m [u64],
@@ -363,9 +338,8 @@ impl<'m> Segments<'m> {
         if kernel == Kernel::Avx2 || !available() || model.contexts() > 256 || T::BYTES > 4 {
             return None;
         }
-        // Compresses from two changes per 64 elements up (`expand_with`).
         let compress = 64 * m / n.max(1) >= 2;
-        Some(Segments { kernel, compress, walk: Walk::new(model, buckets), words: &maps.words, cursors: start_cursors(listed, maps) })
+        Some(Segments { kernel, compress, walk: Walk::new(model, buckets), words: &maps.words, cursors: cursors(listed, maps).collect() })
     }
 
     /// Expand the segment `old` (whole blocks of `64 * LANES` elements but
@@ -374,7 +348,8 @@ impl<'m> Segments<'m> {
     /// the listed total plus `SPARE`.
     pub(super) fn expand<T: Word>(&mut self, old: &[u8], offset: usize, positions: &mut Vec<u32>) {
         debug_assert!(offset.is_multiple_of(64 * LANES));
-        // Safety: `new` found the kernel's features on this CPU.
+        // Safety: the kernel's features were found on this CPU (`new`,
+        // `expand_with`).
         #[allow(unsafe_code)]
         unsafe {
             let (walk, words, cursors) = (&self.walk, self.words, &mut self.cursors);
