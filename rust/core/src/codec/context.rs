@@ -1414,7 +1414,8 @@ fn decode_segments<T: Word>(
     for start in (0..n).step_by(SEGMENT_ELEMENTS) {
         let end = (start + SEGMENT_ELEMENTS).min(n);
         segments.expand::<T>(&target[start * w..end * w], start, positions);
-        groups.take(steps, target, w, positions, signs, model.step_model32(), planes);
+        let next_end = (end + SEGMENT_ELEMENTS).min(n);
+        groups.take(steps, target, w, positions, signs, model.step_model32(), planes, end * w..next_end * w);
     }
     groups
 }
@@ -2158,7 +2159,7 @@ mod tests {
                     if let Some(mut groups) = step_tables::InPlaceGroups::new(&d, 0, n) {
                         // Found in two parts, as the segmented expansion hands them over.
                         for part in [&found.positions[..m / 3], &found.positions[..]] {
-                            groups.take(&mut d, &mut target, width, part, parsed.signs, model.step_model32(), &mut planes);
+                            groups.take(&mut d, &mut target, width, part, parsed.signs, model.step_model32(), &mut planes, 0..0);
                         }
                         let done = groups.taken;
                         assert!(done > m / 2 && !groups.unchanged, "{dtype:?}: the in-place kernel took {done} of {m} changes");

@@ -825,3 +825,36 @@ fn geometric_gaps_pick_rice_and_repeating_gaps_pick_gap_bytes() {
         assert_eq!(t, new);
     }
 }
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn ahead_covers_its_bytes_over_its_steps_within_its_cap() {
+    let bytes = vec![0u8; 100_000];
+    let lines = bytes.len().div_ceil(64);
+    for steps in [1usize, 7, 64, 1000, 5000] {
+        let mut ahead = Ahead::new(&bytes, steps);
+        let per_step = lines.div_ceil(steps).min(Ahead::MAX_LINES_PER_STEP);
+        assert_eq!(ahead.lines_per_step, per_step, "{steps} steps");
+        let mut taken = 0;
+        for _ in 0..steps {
+            let before = ahead.next;
+            ahead.step();
+            taken += (ahead.next as usize - before as usize) / 64;
+        }
+        // Every line is fetched where the cap allows; never more than the
+        // bytes' lines plus one step's rounding.
+        if lines.div_ceil(steps) <= Ahead::MAX_LINES_PER_STEP {
+            assert!(ahead.next >= ahead.end && taken >= lines, "{steps} steps: {taken} of {lines} lines");
+        } else {
+            assert_eq!(taken, steps * per_step, "{steps} steps");
+        }
+        assert!(taken < lines + per_step, "{steps} steps: {taken} lines for {lines}");
+    }
+    // No steps or no bytes: nothing to fetch.
+    let mut none = Ahead::new(&bytes, 0);
+    none.step();
+    assert_eq!(none.next, bytes.as_ptr());
+    let mut empty = Ahead::new(&[], 10);
+    empty.step();
+    assert_eq!(empty.lines_per_step, 0);
+}
