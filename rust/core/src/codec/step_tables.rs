@@ -1314,7 +1314,7 @@ pub(super) mod avx512 {
     /// a group's share of `ahead` fetched. The decoder's chain of table
     /// gathers leaves the core's loads idle enough for it: with the next
     /// segment fetched while a segment decodes, the context apply of large
-    /// tensors (64 MiB, 4 MiB chunks) took 0.81-0.85 of the time, where the
+    /// tensors (64 MiB, 4 MiB chunks) took 0.81-0.87 of the time, where the
     /// expansion of each segment had waited on memory.
     struct InPlace {
         out: *mut u8,
