@@ -427,3 +427,43 @@ def test_make_training_pairs_writes_consecutive_real_steps(tmp_path):
         assert 0 < changed < 1, (regime, changed)
         log = json.loads((out / "training.json").read_text())
         assert log["regime"] == regime and [s["step"] for s in log["steps"]] == [1, 2]
+
+
+# ---------------------------------------------------------------- large pairs
+
+
+def test_large_pair_tiles_both_snapshots_in_name_order(tmp_path):
+    import make_large_pair as L
+
+    rng = np.random.default_rng(7)
+    # Out of name order in the file, so that the tiles must follow the names.
+    old = {"b.weight": rng.integers(0, 65536, (3, 5), dtype=np.uint16), "a.weight": rng.integers(0, 65536, (7,), dtype=np.uint16)}
+    new = {k: v.copy() for k, v in old.items()}
+    new["a.weight"][[1, 4]] ^= 1
+    new["b.weight"][2, 3] ^= 0x8000
+    L.write_bf16(tmp_path / "o.safetensors", old)
+    L.write_bf16(tmp_path / "n.safetensors", new)
+    n, m = L.make_pair(tmp_path / "o.safetensors", tmp_path / "n.safetensors", tmp_path / "out", 3, (4, 6))
+    assert n == 72
+    for name, src in (("old", old), ("new", new)):
+        raw = C.load_raw(tmp_path / "out" / f"{name}.safetensors")
+        assert [(t.name, t.dtype, t.shape) for t in raw.tensors] == [(f"model.layers.{k}.mlp.up_proj.weight", "BF16", (4, 6)) for k in range(3)]
+        flat = np.concatenate([src["a.weight"].reshape(-1), src["b.weight"].reshape(-1)])
+        assert np.array_equal(raw.words, np.resize(flat, 72)), name
+    # 22 words tile 72 three times and 6 more: the 3 changes in each whole
+    # tile, and the first 6 words' one (a.weight[1], a.weight[4]).
+    assert m == 3 * 3 + 2
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    t = load_file(str(tmp_path / "out" / "new.safetensors"))
+    assert all(v.dtype == torch.bfloat16 and tuple(v.shape) == (4, 6) for v in t.values())
+
+
+def test_large_pair_refuses_snapshots_of_two_layouts(tmp_path):
+    import make_large_pair as L
+
+    L.write_bf16(tmp_path / "o.safetensors", {"a": np.zeros(4, dtype=np.uint16)})
+    L.write_bf16(tmp_path / "n.safetensors", {"b": np.zeros(4, dtype=np.uint16)})
+    with pytest.raises(SystemExit, match="another tensor layout"):
+        L.make_pair(tmp_path / "o.safetensors", tmp_path / "n.safetensors", tmp_path / "out", 1, (2, 2))
