@@ -178,7 +178,7 @@ pub(super) fn expand_with<T: Word>(
         // The whole chunk as one segment.
         Kernel::Avx512 | Kernel::Avx512Vbmi => {
             assert!(if kernel == Kernel::Avx512 { wide_available() } else { vbmi_available() }, "the caller checks the CPU");
-            Segments { kernel, compress: per_block >= 2, walk, words: &maps.words, cursors: cursors(listed, maps).collect() }.expand::<T>(old, 0, positions);
+            Segments::with(kernel, walk, listed, maps, per_block).expand::<T>(old, 0, positions);
         }
     }
 }
@@ -338,8 +338,13 @@ impl<'m> Segments<'m> {
         if kernel == Kernel::Avx2 || !available() || model.contexts() > 256 || T::BYTES > 4 {
             return None;
         }
-        let compress = 64 * m / n.max(1) >= 2;
-        Some(Segments { kernel, compress, walk: Walk::new(model, buckets), words: &maps.words, cursors: cursors(listed, maps).collect() })
+        Some(Segments::with(kernel, Walk::new(model, buckets), listed, maps, 64 * m / n.max(1)))
+    }
+
+    /// The walks of the `listed` buckets from their bitmaps' starts, for a
+    /// chunk of `per_block` changes per 64 elements.
+    fn with(kernel: Kernel, walk: Walk, listed: &[usize], maps: &'m RankBitmaps, per_block: usize) -> Self {
+        Segments { kernel, compress: per_block >= 2, walk, words: &maps.words, cursors: cursors(listed, maps).collect() }
     }
 
     /// Expand the segment `old` (whole blocks of `64 * LANES` elements but
