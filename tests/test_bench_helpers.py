@@ -349,6 +349,19 @@ def test_bench_codec_smoke(tmp_path, bench_codec, capsys):
             assert rows[key]["verified"] and rows[key]["encode_mb_s"] > 0
     if not doc["dcr"]["available"]:
         assert "dcr rows skipped" in capsys.readouterr().out
+    else:
+        for inp in doc["inputs"]:
+            v = inp["dcr_speed_ratios"]["interleaved"]
+            row = {r["method"]: r for r in inp["methods"]}["g_dcr_free_known_t1"]
+            assert v["dcr_time_vs_block_rows"] == {"diff": pytest.approx(v["best_s"]["dcr_diff"] / row["encode_s"]),
+                                                   "apply": pytest.approx(v["best_s"]["dcr_apply"] / row["decode_s"])}
+        assert "its block-row time" in capsys.readouterr().out
+
+
+def test_time_vs_block_rows_divides_the_interleaved_best_by_the_row(bench_codec):
+    best = {"zstd1_compress": 9e-3, "dcr_diff": 3e-3, "zstd1_decompress": 9e-3, "dcr_apply": 1.5e-3}
+    row = {"encode_s": 2e-3, "decode_s": 1.2e-3}
+    assert bench_codec.time_vs_block_rows(best, row) == {"diff": pytest.approx(1.5), "apply": pytest.approx(1.25)}
 
 
 def _float_like_pair(tmp_path: Path, rate: float) -> tuple[Path, Path, int]:
