@@ -111,7 +111,7 @@ fn main() {
     });
     // Decoding alone (entropy decoding and positions), no target written;
     // a context chunk reads its base words in OLD.
-    let decode = |c: &dcr_core::format::ChunkFrame| {
+    let decode = |c: &dcr_core::format::ChunkFrame<&[u8]>| {
         let w = layout.tensors()[c.tensor as usize].dtype.word_bytes();
         let at = c.start as usize * w;
         let range = at..at + c.len as usize * w;

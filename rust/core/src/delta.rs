@@ -331,17 +331,33 @@ pub fn diff_from(
     Ok(stats)
 }
 
-/// A fully parsed and structurally validated delta.
+/// A fully parsed and structurally validated delta. `read_delta` leaves
+/// the chunk payloads in the bytes it parsed (`P = &[u8]`); `into_owned`
+/// copies them out.
 #[derive(Clone, Debug)]
-pub struct Delta {
+pub struct Delta<P = Vec<u8>> {
     pub header: DeltaHeader,
-    pub chunks: Vec<ChunkFrame>,
+    pub chunks: Vec<ChunkFrame<P>>,
     pub trailer: Trailer,
+}
+
+impl<'a> Delta<&'a [u8]> {
+    /// The delta with its chunk payloads copied out of the parsed bytes.
+    pub fn into_owned(self) -> Delta {
+        self.map_payloads(<[u8]>::to_vec)
+    }
+
+    /// The delta with each chunk payload (a slice of the parsed bytes)
+    /// turned into `f` of it: e.g. a `bytes::Bytes` of the same memory.
+    pub fn map_payloads<Q>(self, mut f: impl FnMut(&'a [u8]) -> Q) -> Delta<Q> {
+        let chunks = self.chunks.into_iter().map(|c| c.with_payload(f(c.payload))).collect();
+        Delta { header: self.header, chunks, trailer: self.trailer }
+    }
 }
 
 /// Check a chunk frame against its delta's header: identity, tensor index and
 /// the chunk grid. Returns the chunk's byte range within its tensor.
-pub fn check_chunk(header: &DeltaHeader, chunk: &ChunkFrame) -> Result<std::ops::Range<usize>> {
+pub fn check_chunk<P>(header: &DeltaHeader, chunk: &ChunkFrame<P>) -> Result<std::ops::Range<usize>> {
     if chunk.delta_tag != header.tag() {
         return Err(Error::ForeignFrame {
             frame: format!("chunk {}", chunk.seq),
@@ -372,12 +388,13 @@ pub fn check_chunk(header: &DeltaHeader, chunk: &ChunkFrame) -> Result<std::ops:
 
 /// Parse and validate a complete delta held in memory: preamble, every
 /// frame's checksum, frame order, chunk identities, unique sequence numbers
-/// and the trailer's count. Nothing is applied.
-pub fn read_delta(bytes: &[u8]) -> Result<Delta> {
+/// and the trailer's count. Nothing is applied; the chunk payloads are not
+/// copied (they stay in `bytes`).
+pub fn read_delta(bytes: &[u8]) -> Result<Delta<&[u8]>> {
     let mut pos = format::parse_preamble(bytes)?
         .ok_or_else(|| Error::truncated("preamble", format::PREAMBLE_LEN as u64, bytes.len() as u64))?;
-    let next = |pos: &mut usize, what: &str| -> Result<Frame> {
-        match format::parse_frame(&bytes[*pos..])? {
+    let next = |pos: &mut usize, what: &str| -> Result<Frame<&[u8]>> {
+        match format::parse_frame_in(&bytes[*pos..])? {
             Some((f, used)) => {
                 *pos += used;
                 Ok(f)
@@ -471,15 +488,15 @@ pub fn check_base(header: &DeltaHeader, layout: &Layout, digests: &[Digest]) -> 
 
 /// Decode one chunk; a context-mode chunk reads `base`, the chunk's current
 /// (base) bytes in the target.
-pub fn decode_against(c: &ChunkFrame, range: &std::ops::Range<usize>, layout: &Layout, base: &[u8]) -> Result<DecodedChunk> {
+pub fn decode_against(c: &ChunkFrame<impl AsRef<[u8]>>, range: &std::ops::Range<usize>, layout: &Layout, base: &[u8]) -> Result<DecodedChunk> {
     let dtype = layout.tensors()[c.tensor as usize].dtype;
     let w = dtype.word_bytes();
     let name = format!("chunk {}", c.seq);
     match c.mode {
-        Mode::Free => codec::decode_chunk(&c.payload, range.len() / w, w, c.encoding, c.n_changed, &name),
+        Mode::Free => codec::decode_chunk(c.payload.as_ref(), range.len() / w, w, c.encoding, c.n_changed, &name),
         Mode::Context => {
             let model = codec::context::ContextModel::for_dtype(dtype);
-            codec::decode_chunk_context(&c.payload, base, w, &model, c.n_changed, c.kind, &name)
+            codec::decode_chunk_context(c.payload.as_ref(), base, w, &model, c.n_changed, c.kind, &name)
         }
     }
 }
@@ -489,12 +506,12 @@ pub fn decode_against(c: &ChunkFrame, range: &std::ops::Range<usize>, layout: &L
 /// captured before they are written), and the digest move. A context
 /// chunk of XOR changes is written as it is decoded
 /// (`codec::apply_chunk_context`). On an error nothing is written.
-fn decode_and_write(c: &ChunkFrame, range: &std::ops::Range<usize>, layout: &Layout, slice: &mut [u8]) -> Result<(DecodedChunk, Option<DecodedChunk>, DigestSum)> {
+fn decode_and_write(c: &ChunkFrame<impl AsRef<[u8]>>, range: &std::ops::Range<usize>, layout: &Layout, slice: &mut [u8]) -> Result<(DecodedChunk, Option<DecodedChunk>, DigestSum)> {
     if c.mode == Mode::Context && c.kind == ChangeKind::Xor {
         let dtype = layout.tensors()[c.tensor as usize].dtype;
         let model = codec::context::ContextModel::for_dtype(dtype);
         let name = format!("chunk {}", c.seq);
-        let (decoded, moved) = codec::apply_chunk_context(&c.payload, slice, dtype.word_bytes(), &model, c.n_changed, c.start, &name)?;
+        let (decoded, moved) = codec::apply_chunk_context(c.payload.as_ref(), slice, dtype.word_bytes(), &model, c.n_changed, c.start, &name)?;
         return Ok((decoded, None, moved));
     }
     let decoded = decode_against(c, range, layout, slice)?;
@@ -505,9 +522,9 @@ fn decode_and_write(c: &ChunkFrame, range: &std::ops::Range<usize>, layout: &Lay
 
 /// Split each tensor buffer into the disjoint byte ranges of `chunks`
 /// (sorted by tensor, then start; ranges from `check_chunk`).
-fn split_targets<'t, 'c>(
+fn split_targets<'t, P>(
     targets: &'t mut [&mut [u8]],
-    chunks: &[(&'c ChunkFrame, std::ops::Range<usize>)],
+    chunks: &[(&ChunkFrame<P>, std::ops::Range<usize>)],
 ) -> Vec<&'t mut [u8]> {
     let mut out = Vec::with_capacity(chunks.len());
     let mut rests: Vec<(usize, &'t mut [u8])> = targets.iter_mut().map(|t| (0usize, &mut **t)).collect();
@@ -529,7 +546,7 @@ fn split_targets<'t, 'c>(
 /// does not decode, or on a digest mismatch, the chunks written are undone
 /// (XOR chunks applied again, overwritten words put back), the base's
 /// digests are checked again, and the error names the chunk or tensors.
-pub fn apply(delta: &Delta, layout: &Layout, targets: &mut [&mut [u8]]) -> Result<ApplyOutcome> {
+pub fn apply<P: AsRef<[u8]> + Sync>(delta: &Delta<P>, layout: &Layout, targets: &mut [&mut [u8]]) -> Result<ApplyOutcome> {
     apply_from(delta, layout, targets, None)
 }
 
@@ -546,13 +563,13 @@ fn base_digests_of(layout: &Layout, targets: &[&mut [u8]], known_base: Option<&[
 /// that committed them and vouches that nothing else wrote the target since):
 /// no full pass over the target. The target digests are verified as the
 /// known digests moved by the words each chunk wrote.
-pub fn apply_from(delta: &Delta, layout: &Layout, targets: &mut [&mut [u8]], known_base: Option<&[Digest]>) -> Result<ApplyOutcome> {
+pub fn apply_from<P: AsRef<[u8]> + Sync>(delta: &Delta<P>, layout: &Layout, targets: &mut [&mut [u8]], known_base: Option<&[Digest]>) -> Result<ApplyOutcome> {
     layout.check_buffers(targets.iter().map(|t| t.len()))?;
     let digests = base_digests_of(layout, targets, known_base)?;
     if check_base(&delta.header, layout, &digests)? {
         return Ok(ApplyOutcome::AlreadyAtTarget);
     }
-    let mut order: Vec<(&ChunkFrame, std::ops::Range<usize>)> =
+    let mut order: Vec<(&ChunkFrame<P>, std::ops::Range<usize>)> =
         delta.chunks.iter().map(|c| Ok((c, check_chunk(&delta.header, c)?))).collect::<Result<_>>()?;
     order.sort_by_key(|(c, _)| (c.tensor, c.start));
     // Each chunk's decoded positions and values are written while they are
@@ -632,7 +649,7 @@ enum Undo {
 }
 
 /// Summary of a delta for `dcr inspect`.
-pub fn summarize(delta: &Delta, delta_bytes: u64) -> DeltaStats {
+pub fn summarize<P: AsRef<[u8]>>(delta: &Delta<P>, delta_bytes: u64) -> DeltaStats {
     let layout = &delta.header.layout;
     let mut per_tensor: Vec<TensorStats> = layout
         .tensors()
@@ -709,7 +726,7 @@ pub fn split_frames(bytes: &[u8]) -> Result<DeltaBlobs<'_>> {
         .ok_or_else(|| Error::truncated("preamble", format::PREAMBLE_LEN as u64, bytes.len() as u64))?;
     let mut frames = Vec::new();
     while pos < bytes.len() {
-        let (_, used) = format::parse_frame(&bytes[pos..])?
+        let (_, used) = format::parse_frame_in(&bytes[pos..])?
             .ok_or_else(|| Error::Incomplete { detail: format!("the delta ends inside a frame at byte {pos}") })?;
         frames.push(&bytes[pos..pos + used]);
         pos += used;
@@ -723,8 +740,8 @@ pub fn split_frames(bytes: &[u8]) -> Result<DeltaBlobs<'_>> {
     Ok((&bytes[..header_end], frames, trailer))
 }
 
-fn parse_one(blob: &[u8], what: &str) -> Result<Frame> {
-    match format::parse_frame(blob)? {
+fn parse_one<'b>(blob: &'b [u8], what: &str) -> Result<Frame<&'b [u8]>> {
+    match format::parse_frame_in(blob)? {
         Some((f, used)) if used == blob.len() => Ok(f),
         Some((_, used)) => Err(Error::corrupt(what, format!("{} bytes after the frame", blob.len() - used))),
         None => Err(Error::Incomplete { detail: format!("{what} is cut short") }),
@@ -737,7 +754,7 @@ fn parse_one(blob: &[u8], what: &str) -> Result<Frame> {
 pub fn read_header(bytes: &[u8]) -> Result<DeltaHeader> {
     let pre = format::parse_preamble(bytes)?
         .ok_or_else(|| Error::truncated("preamble", format::PREAMBLE_LEN as u64, bytes.len() as u64))?;
-    match format::parse_frame(&bytes[pre..])? {
+    match format::parse_frame_in(&bytes[pre..])? {
         Some((Frame::Header(h), _)) => Ok(h),
         Some((other, _)) => Err(first_frame_not_the_header(&other)),
         None => Err(Error::Incomplete { detail: "the delta ends inside the header".into() }),
@@ -745,12 +762,12 @@ pub fn read_header(bytes: &[u8]) -> Result<DeltaHeader> {
 }
 
 /// The error for a delta that starts with `frame` where its header belongs.
-fn first_frame_not_the_header(frame: &Frame) -> Error {
+fn first_frame_not_the_header<P>(frame: &Frame<P>) -> Error {
     Error::corrupt("delta", format!("the first frame is {}, not the header", frame_name(frame)))
 }
 
 /// `frame` as an error names it: "chunk 3", "the trailer", "a header".
-fn frame_name(frame: &Frame) -> String {
+fn frame_name<P>(frame: &Frame<P>) -> String {
     match frame {
         Frame::Chunk(c) => format!("chunk {}", c.seq),
         Frame::Trailer(_) => "the trailer".into(),

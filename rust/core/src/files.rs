@@ -6,6 +6,8 @@ use std::fs::{self, File};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+use bytes::Bytes;
+
 use crate::checkpoint::{ReadOnlyCheckpoint, WritableCheckpoint};
 use crate::delta::{self, ApplyOutcome, Delta, DeltaStats, DiffOptions};
 use crate::error::{Error, Result};
@@ -101,10 +103,11 @@ pub fn diff_files(
     Ok(stats.expect("diff ran"))
 }
 
-/// Read and fully validate a delta file (nothing applied).
-pub fn read_delta_file(path: &Path) -> Result<(Delta, u64)> {
-    let bytes = fs::read(path).map_err(|e| Error::io("read", path, e))?;
-    let delta = delta::read_delta(&bytes)?;
+/// Read and fully validate a delta file (nothing applied). The chunk
+/// payloads stay in the one buffer the file was read into.
+pub fn read_delta_file(path: &Path) -> Result<(Delta<Bytes>, u64)> {
+    let bytes = Bytes::from(fs::read(path).map_err(|e| Error::io("read", path, e))?);
+    let delta = delta::read_delta(&bytes)?.map_payloads(|payload| bytes.slice_ref(payload));
     Ok((delta, bytes.len() as u64))
 }
 
@@ -120,7 +123,7 @@ pub fn apply_file(delta_path: &Path, target: &Path) -> Result<ApplyOutcome> {
     Ok(outcome)
 }
 
-pub fn inspect_file(path: &Path) -> Result<(Delta, DeltaStats)> {
+pub fn inspect_file(path: &Path) -> Result<(Delta<Bytes>, DeltaStats)> {
     let (delta, len) = read_delta_file(path)?;
     let stats = delta::summarize(&delta, len);
     Ok((delta, stats))

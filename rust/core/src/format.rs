@@ -48,8 +48,12 @@ pub struct DeltaHeader {
     pub layout: Layout,
 }
 
+/// A chunk frame. Its payload is owned (`Vec<u8>`, as a stream reader
+/// hands it on) or borrowed from the bytes it was parsed from (`&[u8]`,
+/// what [`parse_frame_in`] and `delta::read_delta` give: a delta held in
+/// memory is not copied a second time).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ChunkFrame {
+pub struct ChunkFrame<P = Vec<u8>> {
     pub delta_tag: u64,
     pub seq: u32,
     pub tensor: u32,
@@ -59,7 +63,7 @@ pub struct ChunkFrame {
     pub encoding: Encoding,
     pub mode: Mode,
     pub n_changed: u32,
-    pub payload: Vec<u8>,
+    pub payload: P,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -71,10 +75,21 @@ pub struct Trailer {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Frame {
+pub enum Frame<P = Vec<u8>> {
     Header(DeltaHeader),
-    Chunk(ChunkFrame),
+    Chunk(ChunkFrame<P>),
     Trailer(Trailer),
+}
+
+impl Frame<&[u8]> {
+    /// The frame with its payload copied out of the parsed bytes.
+    pub fn into_owned(self) -> Frame {
+        match self {
+            Frame::Header(h) => Frame::Header(h),
+            Frame::Chunk(c) => Frame::Chunk(c.into_owned()),
+            Frame::Trailer(t) => Frame::Trailer(t),
+        }
+    }
 }
 
 impl DeltaHeader {
@@ -190,7 +205,27 @@ impl DeltaHeader {
     }
 }
 
-impl ChunkFrame {
+impl<P> ChunkFrame<P> {
+    /// The same frame with another payload.
+    pub fn with_payload<Q>(&self, payload: Q) -> ChunkFrame<Q> {
+        let ChunkFrame { delta_tag, seq, tensor, start, len, kind, encoding, mode, n_changed, payload: _ } = *self;
+        ChunkFrame { delta_tag, seq, tensor, start, len, kind, encoding, mode, n_changed, payload }
+    }
+}
+
+impl ChunkFrame<&[u8]> {
+    /// The frame with its payload copied out of the parsed bytes.
+    pub fn into_owned(self) -> ChunkFrame {
+        self.with_payload(self.payload.to_vec())
+    }
+}
+
+impl<P: AsRef<[u8]>> ChunkFrame<P> {
+    /// The frame with its payload borrowed.
+    pub fn borrowed(&self) -> ChunkFrame<&[u8]> {
+        self.with_payload(self.payload.as_ref())
+    }
+
     /// The delta tag, then varints and one byte of codes (kind, encoding,
     /// mode): 15-20 bytes for a typical chunk, so that a small tensor's
     /// chunk costs little more than its payload. The payload is the rest of
@@ -198,7 +233,7 @@ impl ChunkFrame {
     pub fn to_frame(&self) -> Vec<u8> {
         frame_built(TAG_CHUNK, self.frame_len() - FRAME_OVERHEAD, |b| {
             self.put_fields(b);
-            b.extend_from_slice(&self.payload);
+            b.extend_from_slice(self.payload.as_ref());
         })
     }
 
@@ -211,8 +246,8 @@ impl ChunkFrame {
         head.push(TAG_CHUNK);
         head.extend_from_slice(&((self.frame_len() - FRAME_OVERHEAD) as u32).to_le_bytes());
         self.put_fields(&mut head);
-        let crc = crc32c::crc32c_append(crc32c::crc32c(&head), &self.payload);
-        (head, &self.payload, crc.to_le_bytes())
+        let crc = crc32c::crc32c_append(crc32c::crc32c(&head), self.payload.as_ref());
+        (head, self.payload.as_ref(), crc.to_le_bytes())
     }
 
     fn put_fields(&self, b: &mut Vec<u8>) {
@@ -236,7 +271,7 @@ impl ChunkFrame {
             + varint_len(self.len.into())
             + 1
             + varint_len(self.n_changed.into());
-        FRAME_OVERHEAD + fields + self.payload.len()
+        FRAME_OVERHEAD + fields + self.payload.as_ref().len()
     }
 }
 
@@ -325,6 +360,14 @@ pub fn parse_preamble(buf: &[u8]) -> Result<Option<usize>> {
 /// Parse one frame from the front of `buf`. `Ok(None)` means incomplete:
 /// read more bytes and call again.
 pub fn parse_frame(buf: &[u8]) -> Result<Option<(Frame, usize)>> {
+    Ok(parse_frame_in(buf)?.map(|(frame, used)| (frame.into_owned(), used)))
+}
+
+/// A frame parsed in place (its payload borrowed) and the bytes it took.
+pub type FrameIn<'a> = (Frame<&'a [u8]>, usize);
+
+/// [`parse_frame`] with a chunk's payload borrowed from `buf`.
+pub fn parse_frame_in(buf: &[u8]) -> Result<Option<FrameIn<'_>>> {
     if buf.len() < 5 {
         return Ok(None);
     }
@@ -412,7 +455,7 @@ fn parse_header(body: &[u8]) -> Result<DeltaHeader> {
     Ok(DeltaHeader { delta_id, base_digest, target_digest, base_version, target_version, chunk_bytes, layout })
 }
 
-fn parse_chunk(body: &[u8]) -> Result<ChunkFrame> {
+fn parse_chunk(body: &[u8]) -> Result<ChunkFrame<&[u8]>> {
     let mut c = Cursor { buf: body, pos: 0, context: "chunk frame" };
     let delta_tag = c.u64()?;
     let seq: u32 = c.varint("sequence number")?;
@@ -428,7 +471,7 @@ fn parse_chunk(body: &[u8]) -> Result<ChunkFrame> {
     let encoding = Encoding::from_code((codes >> 2) & 7, &ctx)?;
     let mode = Mode::from_code((codes >> 5) & 3, &ctx)?;
     let n_changed = c.varint("changed count")?;
-    let payload = c.take(body.len() - c.pos)?.to_vec();
+    let payload = c.take(body.len() - c.pos)?;
     Ok(ChunkFrame { delta_tag, seq, tensor, start, len, kind, encoding, mode, n_changed, payload })
 }
 

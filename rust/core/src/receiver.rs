@@ -414,7 +414,7 @@ struct Prepared<'d> {
     tensor: usize,
     range: Range<usize>,
     width: usize,
-    frame: &'d crate::format::ChunkFrame,
+    frame: crate::format::ChunkFrame<&'d [u8]>,
     decoded: DecodedChunk,
     /// Changed positions (words) for sparse encodings; `None` when the chunk
     /// covers every word (dense, raw).
@@ -481,8 +481,8 @@ impl Prepared<'_> {
 /// Decodes chunks `seqs` against the target's current bytes `bufs`. An
 /// in-progress context-mode chunk is decoded against its base rebuilt from
 /// its pre-image in `stored` (its bytes in the target may be half-applied).
-fn prepare<'d>(
-    delta: &'d Delta,
+fn prepare<'d, P: AsRef<[u8]> + Sync>(
+    delta: &'d Delta<P>,
     layout: &Layout,
     seqs: &[u32],
     bufs: &[&[u8]],
@@ -492,8 +492,8 @@ fn prepare<'d>(
     let mut out: Vec<Prepared<'d>> = seqs
         .par_iter()
         .map(|&seq| {
-            let frame = &delta.chunks[seq as usize];
-            let range = check_chunk(&delta.header, frame)?;
+            let frame = delta.chunks[seq as usize].borrowed();
+            let range = check_chunk(&delta.header, &frame)?;
             let tensor = frame.tensor as usize;
             let width = layout.tensors()[tensor].dtype.word_bytes();
             let context = frame.mode == Mode::Context;
@@ -506,13 +506,13 @@ fn prepare<'d>(
                     let (ps, values) = context_preimage(pre, width, range.len()).ok_or_else(bad)?;
                     let mut base = current.to_vec();
                     put_words(&mut base, &ps, values, width);
-                    let d = decode_against(frame, &range, layout, &base)?;
+                    let d = decode_against(&frame, &range, layout, &base)?;
                     if d.to_changes().positions != ps {
                         return Err(bad());
                     }
                     d
                 }
-                _ => decode_against(frame, &range, layout, current)?,
+                _ => decode_against(&frame, &range, layout, current)?,
             };
             let positions = match frame.encoding {
                 Encoding::Sparse | Encoding::Bitmap | Encoding::Rice => Some(decoded.to_changes().positions),
@@ -556,10 +556,10 @@ fn transition(journal: &Path, op: &'static str, detail: String) -> Error {
 /// old delta); another delta while a refit that touched the target is in
 /// flight (unless the target's digest shows it was reloaded densely); a
 /// corrupt chunk payload (checked before anything is written).
-pub fn refit<I: JournalIo + Clone>(
+pub fn refit<I: JournalIo + Clone, P: AsRef<[u8]> + Sync>(
     journal_path: &Path,
     io: I,
-    delta: &Delta,
+    delta: &Delta<P>,
     target: &mut dyn RefitTarget,
     opts: &RefitOptions,
 ) -> Result<RefitOutcome> {
@@ -816,10 +816,10 @@ pub fn refit<I: JournalIo + Clone>(
 
 /// Restores every chunk's pre-image (idempotent, so a crash in here is
 /// repaired by running it again), verifies the base and records it.
-fn roll_back<I: JournalIo + Clone>(
+fn roll_back<I: JournalIo + Clone, P: AsRef<[u8]> + Sync>(
     j: &mut ReceiverJournal<I>,
     undo: &mut UndoLog<I>,
-    delta: &Delta,
+    delta: &Delta<P>,
     layout: &Layout,
     target: &mut dyn RefitTarget,
     plan: &RefitPlan,
@@ -858,7 +858,7 @@ fn roll_back<I: JournalIo + Clone>(
                 Encoding::Dense | Encoding::Raw => (None, entry.clone()),
                 Encoding::Sparse | Encoding::Bitmap | Encoding::Rice => {
                     let d = codec::decode_chunk(
-                        &frame.payload,
+                        frame.payload.as_ref(),
                         range.len() / width,
                         width,
                         frame.encoding,
@@ -1195,7 +1195,7 @@ pub fn resume_received(target: &Path, journal: Option<&Path>, opts: &RefitOption
 /// The spool is removed unless the refit failed and is still in flight
 /// (it is what a later call resumes from); a refit that committed, or that
 /// ended by rolling back, or that never began needs it no more.
-fn refit_spooled(journal: &Path, spool: &Path, delta: &Delta, target: &Path, opts: &RefitOptions) -> Result<RefitOutcome> {
+fn refit_spooled<P: AsRef<[u8]> + Sync>(journal: &Path, spool: &Path, delta: &Delta<P>, target: &Path, opts: &RefitOptions) -> Result<RefitOutcome> {
     let mut ck = WritableCheckpoint::open_rw(target)?;
     let outcome = refit(journal, StdIo, delta, &mut ck, opts);
     let resumable =

@@ -198,7 +198,7 @@ fn a_chunk_that_does_not_decode_leaves_the_base_after_others_were_written() {
             // written before it on one thread, and alongside it on more.
             let last = delta.chunks.iter().enumerate().max_by_key(|(_, c)| (c.tensor, c.start)).unwrap().0;
             let seq = delta.chunks[last].seq;
-            delta.chunks[last].payload.truncate(1);
+            delta.chunks[last].payload = &delta.chunks[last].payload[..1];
             let mut target = old.clone();
             let mut views: Vec<&mut [u8]> = target.iter_mut().map(|v| v.as_mut_slice()).collect();
             let err = apply(&delta, &layout, &mut views).unwrap_err();
@@ -459,4 +459,47 @@ fn frames_put_together_wrongly_are_refused_by_name() {
     let mut target = old.clone();
     apply_to(&joined(&preamble, &frames), &layout, &mut target).unwrap();
     assert!(target == p.new);
+}
+
+/// `read_delta` leaves each chunk payload where it lies in the bytes it
+/// parsed (no second copy of a delta held in memory), and those frames are
+/// the ones a stream parser hands on owned; `read_delta_file` likewise keeps
+/// them in the one buffer it read.
+#[test]
+fn a_parsed_delta_borrows_its_payloads_from_the_bytes() {
+    use dcr_core::format::{parse_frame, Frame};
+    let layout = bf16_and_f32_layout();
+    let old: Vec<Vec<u8>> = layout.tensors().iter().map(|t| vec![3u8; t.storage_bytes().unwrap() as usize]).collect();
+    let new: Vec<Vec<u8>> = old.iter().map(|o| o.iter().enumerate().map(|(i, &b)| if i % 7 == 0 { b ^ 0x41 } else { b }).collect()).collect();
+    let p = Pair { layout, old, new };
+    let bytes = encode(&p, &DiffOptions { chunk_bytes: 256, ..Default::default() });
+    let delta = read_delta(&bytes).unwrap();
+    assert!(delta.chunks.len() > 2, "{} chunks", delta.chunks.len());
+    let within = bytes.as_ptr_range();
+    for c in &delta.chunks {
+        let range = c.payload.as_ptr_range();
+        assert!(within.start <= range.start && range.end <= within.end, "chunk {}'s payload is not in the parsed bytes", c.seq);
+    }
+    let (_, frames) = frames_of(&bytes);
+    let streamed: Vec<_> = frames[1..frames.len() - 1]
+        .iter()
+        .map(|f| match parse_frame(f).unwrap() {
+            Some((Frame::Chunk(c), _)) => c,
+            other => panic!("a chunk frame, got {other:?}"),
+        })
+        .collect();
+    assert_eq!(delta.clone().into_owned().chunks, streamed);
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("d.dcr");
+    std::fs::write(&path, &bytes).unwrap();
+    let (from_file, len) = dcr_core::files::read_delta_file(&path).unwrap();
+    assert_eq!(len, bytes.len() as u64);
+    assert_eq!(from_file.chunks.iter().map(|c| c.borrowed()).collect::<Vec<_>>(), delta.chunks);
+    // One buffer: each payload starts where the file puts it, the frame
+    // around it (checksum, tag, length, fields) after the one before.
+    for pair in from_file.chunks.windows(2) {
+        let gap = pair[1].payload.as_ptr() as usize - pair[0].payload.as_ptr_range().end as usize;
+        assert_eq!(gap, pair[1].frame_len() - pair[1].payload.len(), "chunk {} is not beside chunk {}", pair[1].seq, pair[0].seq);
+    }
 }

@@ -103,7 +103,7 @@ fn fixture_mode(kind: ChangeKind, mode: Mode) -> Fixture {
                 &mut |_, _| {},
             )
             .unwrap();
-            read_delta(&out).unwrap()
+            read_delta(&out).unwrap().into_owned()
         })
         .collect();
     Fixture { layout, versions, deltas }
@@ -665,7 +665,7 @@ fn dense_delta(f: &Fixture, to: usize) -> Delta {
         &mut |_, _| {},
     )
     .unwrap();
-    read_delta(&out).unwrap()
+    read_delta(&out).unwrap().into_owned()
 }
 
 /// A dense (any-base) delta bootstraps any target of the layout, keeps no

@@ -94,7 +94,7 @@ fn verify_object(path: &str, name: &str, size: Option<u64>, bytes: &[u8]) -> Res
             return Err(Error::corrupt(format!("object {path}"), format!("{} bytes, the manifest says {size}", bytes.len())));
         }
     }
-    match format::parse_frame(bytes) {
+    match format::parse_frame_in(bytes) {
         Ok(Some((Frame::Header(_) | Frame::Chunk(_), used))) if used == bytes.len() => {}
         Ok(Some((Frame::Trailer(_), _))) => return Err(Error::corrupt(format!("object {path}"), "a trailer frame where a header or chunk was expected")),
         Ok(_) => return Err(Error::corrupt(format!("object {path}"), "not exactly one whole frame")),
@@ -234,7 +234,7 @@ impl Prefetch {
                     // Header first: it says whether this delta applies here.
                     if let Some((name, size)) = objs.get(&0) {
                         let (bytes, _) = fetch_verified(store, self.version, name, Some(*size)).await?;
-                        let ok = match format::parse_frame(&bytes)? {
+                        let ok = match format::parse_frame_in(&bytes)? {
                             Some((Frame::Header(h), _)) => digest_hex(&h.base_digest) == base_hex,
                             _ => false,
                         };
