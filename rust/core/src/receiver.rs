@@ -35,6 +35,7 @@ use rayon::prelude::*;
 use crate::checkpoint::{digest_short, Digest, Layout, ReadOnlyCheckpoint, WritableCheckpoint};
 use crate::codec::{self, DecodedChunk, Encoding, Mode};
 use crate::delta::{check_chunk, decode_against, Delta, ANY_BASE};
+use crate::format::ChunkFrame;
 use crate::error::{Error, Result};
 use crate::journal::file::scan;
 use crate::journal::state::hex;
@@ -370,11 +371,18 @@ pub struct RefitOptions {
     pub batch_chunks: usize,
     /// At most about this many target bytes per batch.
     pub batch_bytes: u64,
+    /// Every chunk is decoded before anything is written; the decoded
+    /// changes of the first chunks (in target order) are kept for their
+    /// batch up to about this many bytes, the others decoded again when
+    /// their batch comes. So a refit holds a bounded amount of decoded
+    /// changes (4 bytes of position and the word per change) whatever the
+    /// delta's size, and a delta under the bound is decoded once.
+    pub keep_decoded_bytes: u64,
 }
 
 impl Default for RefitOptions {
     fn default() -> Self {
-        RefitOptions { batch_chunks: 256, batch_bytes: 256 << 20 }
+        RefitOptions { batch_chunks: 256, batch_bytes: 256 << 20, keep_decoded_bytes: 256 << 20 }
     }
 }
 
@@ -408,17 +416,18 @@ pub enum RefitOutcome {
     },
 }
 
-/// A chunk decoded and ready: its frame, target range and changed positions.
+/// A chunk checked and ready: its frame, target range and, while held,
+/// its decoded changes.
 struct Prepared<'d> {
     seq: u32,
     tensor: usize,
     range: Range<usize>,
     width: usize,
-    frame: crate::format::ChunkFrame<&'d [u8]>,
-    decoded: DecodedChunk,
-    /// Changed positions (words) for sparse encodings; `None` when the chunk
-    /// covers every word (dense, raw).
-    positions: Option<Vec<u32>>,
+    frame: ChunkFrame<&'d [u8]>,
+    /// Its changes, with the changed positions (words) of sparse encodings
+    /// (`DecodedChunk::positions`; none where the chunk covers every word).
+    /// `None` while not held (see `prepare`): decoded again for its batch.
+    decoded: Option<DecodedChunk>,
     /// A context-mode chunk: decoding it reads the chunk's base bytes, so its
     /// pre-image also holds its positions (u32 LE, before the values).
     context: bool,
@@ -444,14 +453,18 @@ fn context_preimage(pre: &[u8], width: usize, len: usize) -> Option<(Vec<u32>, &
 }
 
 impl Prepared<'_> {
+    /// Its decoded changes (held from `decode_again` to the end of its batch).
+    fn changes(&self) -> &DecodedChunk {
+        self.decoded.as_ref().expect("a batch's chunks are decoded before it runs")
+    }
     fn preimage_len(&self) -> usize {
-        match &self.positions {
+        match self.changes().positions() {
             Some(p) => p.len() * (self.width + if self.context { 4 } else { 0 }),
             None => self.range.len(),
         }
     }
     fn capture(&self, slice: &[u8]) -> Vec<u8> {
-        match &self.positions {
+        match self.changes().positions() {
             Some(ps) => {
                 let w = self.width;
                 let mut out = Vec::with_capacity(self.preimage_len());
@@ -468,7 +481,7 @@ impl Prepared<'_> {
     }
     /// Puts the pre-image back (its length was checked).
     fn restore(&self, slice: &mut [u8], pre: &[u8]) {
-        match &self.positions {
+        match self.changes().positions() {
             Some(ps) => {
                 let values = if self.context { &pre[4 * ps.len()..] } else { pre };
                 put_words(slice, ps, values, self.width);
@@ -478,7 +491,15 @@ impl Prepared<'_> {
     }
 }
 
-/// Decodes chunks `seqs` against the target's current bytes `bufs`. An
+/// Where an in-progress chunk's pre-image is (the undo file read back, and
+/// its path for errors), and which chunks are in progress.
+type InProgress<'a> = (Option<(&'a UndoScan, &'a Path)>, &'a (dyn Fn(u32) -> bool + Sync));
+
+/// Decodes chunks `seqs` against the target's current bytes `bufs`, all of
+/// them (nothing is written unless every chunk decodes), a group of about
+/// `DECODE_GROUP_BYTES` of target at a time, in target order. The decoded
+/// changes of the first chunks are kept up to `keep_bytes`; the others are
+/// dropped and decoded again for their batch (`decode_again`). An
 /// in-progress context-mode chunk is decoded against its base rebuilt from
 /// its pre-image in `stored` (its bytes in the target may be half-applied).
 fn prepare<'d, P: AsRef<[u8]> + Sync>(
@@ -486,43 +507,87 @@ fn prepare<'d, P: AsRef<[u8]> + Sync>(
     layout: &Layout,
     seqs: &[u32],
     bufs: &[&[u8]],
-    stored: Option<(&UndoScan, &Path)>,
-    in_progress: &(dyn Fn(u32) -> bool + Sync),
+    progress: InProgress<'_>,
+    keep_bytes: u64,
 ) -> Result<Vec<Prepared<'d>>> {
-    let mut out: Vec<Prepared<'d>> = seqs
-        .par_iter()
+    const DECODE_GROUP_BYTES: usize = 64 << 20;
+    let mut order: Vec<(ChunkFrame<&'d [u8]>, Range<usize>)> = seqs
+        .iter()
         .map(|&seq| {
             let frame = delta.chunks[seq as usize].borrowed();
             let range = check_chunk(&delta.header, &frame)?;
-            let tensor = frame.tensor as usize;
-            let width = layout.tensors()[tensor].dtype.word_bytes();
-            let context = frame.mode == Mode::Context;
-            let current = &bufs[tensor][range.clone()];
-            let decoded = match stored {
-                Some((s, upath)) if context && in_progress(seq) => {
-                    let bad =
-                        || undo_corrupt(upath, 0, format!("the pre-image of context-mode chunk {seq} is damaged"));
-                    let pre = &s.bytes[s.entries.get(&seq).ok_or_else(bad)?.clone()];
-                    let (ps, values) = context_preimage(pre, width, range.len()).ok_or_else(bad)?;
-                    let mut base = current.to_vec();
-                    put_words(&mut base, &ps, values, width);
-                    let d = decode_against(&frame, &range, layout, &base)?;
-                    if d.to_changes().positions != ps {
-                        return Err(bad());
-                    }
-                    d
-                }
-                _ => decode_against(&frame, &range, layout, current)?,
-            };
-            let positions = match frame.encoding {
-                Encoding::Sparse | Encoding::Bitmap | Encoding::Rice => Some(decoded.to_changes().positions),
-                Encoding::Dense | Encoding::Raw => None,
-            };
-            Ok(Prepared { seq, tensor, range, width, frame, decoded, positions, context })
+            Ok((frame, range))
         })
         .collect::<Result<_>>()?;
-    out.sort_by_key(|p| (p.tensor, p.range.start));
+    order.sort_by_key(|(frame, range)| (frame.tensor, range.start));
+    let mut out: Vec<Prepared<'d>> = Vec::with_capacity(order.len());
+    let mut kept = 0u64;
+    let mut rest = &order[..];
+    while !rest.is_empty() {
+        let mut take = 0;
+        let mut bytes = 0;
+        while take < rest.len() && (take == 0 || bytes < DECODE_GROUP_BYTES) {
+            bytes += rest[take].1.len();
+            take += 1;
+        }
+        let (group, tail) = rest.split_at(take);
+        rest = tail;
+        let decoded: Vec<Prepared<'d>> = group
+            .par_iter()
+            .map(|(frame, range)| {
+                let tensor = frame.tensor as usize;
+                let mut p = Prepared {
+                    seq: frame.seq,
+                    tensor,
+                    range: range.clone(),
+                    width: layout.tensors()[tensor].dtype.word_bytes(),
+                    frame: frame.clone(),
+                    decoded: None,
+                    context: frame.mode == Mode::Context,
+                };
+                p.decoded = Some(decode_prepared(&p, layout, &bufs[tensor][range.clone()], progress)?);
+                Ok(p)
+            })
+            .collect::<Result<_>>()?;
+        for mut p in decoded {
+            if kept < keep_bytes {
+                kept += p.changes().decoded_bytes() as u64;
+            } else {
+                p.decoded = None;
+            }
+            out.push(p);
+        }
+    }
     Ok(out)
+}
+
+/// Decodes `p`'s chunk against `current`, its bytes in the target.
+fn decode_prepared(p: &Prepared<'_>, layout: &Layout, current: &[u8], (stored, in_progress): InProgress<'_>) -> Result<DecodedChunk> {
+    let seq = p.seq;
+    match stored {
+        Some((s, upath)) if p.context && in_progress(seq) => {
+            let bad = || undo_corrupt(upath, 0, format!("the pre-image of context-mode chunk {seq} is damaged"));
+            let pre = &s.bytes[s.entries.get(&seq).ok_or_else(bad)?.clone()];
+            let (ps, values) = context_preimage(pre, p.width, p.range.len()).ok_or_else(bad)?;
+            let mut base = current.to_vec();
+            put_words(&mut base, &ps, values, p.width);
+            let d = decode_against(&p.frame, &p.range, layout, &base)?;
+            if d.positions() != Some(&ps[..]) {
+                return Err(bad());
+            }
+            Ok(d)
+        }
+        _ => decode_against(&p.frame, &p.range, layout, current),
+    }
+}
+
+/// Decodes the chunks of `batch` whose changes `prepare` did not keep,
+/// against the target's bytes (which nothing has written there since).
+fn decode_again(batch: &mut [Prepared<'_>], layout: &Layout, bufs: &[&[u8]], progress: InProgress<'_>) -> Result<()> {
+    batch.par_iter_mut().filter(|p| p.decoded.is_none()).try_for_each(|p| {
+        p.decoded = Some(decode_prepared(p, layout, &bufs[p.tensor][p.range.clone()], progress)?);
+        Ok(())
+    })
 }
 
 /// Disjoint mutable slices of `targets` for the (tensor, byte range) spans
@@ -660,7 +725,7 @@ pub fn refit<I: JournalIo + Clone, P: AsRef<[u8]> + Sync>(
         }
         // Decode (validate) every chunk before anything is recorded or written.
         let all: Vec<u32> = (0..plan.n_chunks).collect();
-        fresh_prepared = Some(prepare(delta, &layout, &all, &target.buffers(), None, &|_| false)?);
+        fresh_prepared = Some(prepare(delta, &layout, &all, &target.buffers(), (None, &|_| false), opts.keep_decoded_bytes)?);
         if any_base && delta.chunks.iter().any(|c| c.kind != codec::ChangeKind::Overwrite) {
             return Err(Error::corrupt(
                 "delta",
@@ -689,13 +754,11 @@ pub fn refit<I: JournalIo + Clone, P: AsRef<[u8]> + Sync>(
 
     let todo: Vec<u32> = (0..plan.n_chunks).filter(|&s| r.chunks[s as usize] != ChunkState::Applied).collect();
     let skipped = plan.n_chunks - todo.len() as u32;
-    let prepared = match fresh_prepared {
+    let in_progress = |seq: u32| r.chunks[seq as usize] == ChunkState::InProgress;
+    let progress: InProgress<'_> = (stored.as_ref().map(|s| (s, upath.as_path())), &in_progress);
+    let mut prepared = match fresh_prepared {
         Some(p) => p,
-        None => {
-            prepare(delta, &layout, &todo, &target.buffers(), stored.as_ref().map(|s| (s, upath.as_path())), &|seq| {
-                r.chunks[seq as usize] == ChunkState::InProgress
-            })?
-        }
+        None => prepare(delta, &layout, &todo, &target.buffers(), progress, opts.keep_decoded_bytes)?,
     };
     let (mut applied, mut repaired) = (0u32, 0u32);
 
@@ -711,8 +774,8 @@ pub fn refit<I: JournalIo + Clone, P: AsRef<[u8]> + Sync>(
             bytes += prepared[end].range.len() as u64;
             end += 1;
         }
+        decode_again(&mut prepared[start..end], &layout, &target.buffers(), progress)?;
         let batch: Vec<&Prepared<'_>> = prepared[start..end].iter().collect();
-        start = end;
         let state = |p: &Prepared<'_>| r.chunks[p.seq as usize];
         // 1. Pre-images of the chunks not started yet, durable first.
         let fresh: Vec<&Prepared<'_>> = batch.iter().copied().filter(|p| state(p) == ChunkState::NotStarted).collect();
@@ -761,7 +824,7 @@ pub fn refit<I: JournalIo + Clone, P: AsRef<[u8]> + Sync>(
                 if let Some(old) = pre.get(&p.seq) {
                     p.restore(slice, old);
                 }
-                p.decoded.apply(slice, p.frame.kind);
+                p.changes().apply(slice, p.frame.kind);
             });
         }
         repaired += batch.iter().filter(|p| state(p) == ChunkState::InProgress).count() as u32;
@@ -771,6 +834,10 @@ pub fn refit<I: JournalIo + Clone, P: AsRef<[u8]> + Sync>(
         target.flush_ranges(&ranges)?;
         let seqs: Vec<u32> = batch.iter().map(|p| p.seq).collect();
         j.chunks_applied(&seqs)?;
+        // Their decoded changes are not needed again (a roll back decodes
+        // from the payloads): memory back for the next batches.
+        prepared[start..end].iter_mut().for_each(|p| p.decoded = None);
+        start = end;
     }
     drop(stored);
 
@@ -865,7 +932,7 @@ fn roll_back<I: JournalIo + Clone, P: AsRef<[u8]> + Sync>(
                         frame.n_changed,
                         &format!("chunk {seq}"),
                     )?;
-                    (Some(d.to_changes().positions), entry.clone())
+                    (d.into_positions(), entry.clone())
                 }
             }
         };

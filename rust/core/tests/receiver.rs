@@ -110,7 +110,9 @@ fn fixture_mode(kind: ChangeKind, mode: Mode) -> Fixture {
 }
 
 fn opts() -> RefitOptions {
-    RefitOptions { batch_chunks: 4, batch_bytes: u64::MAX }
+    // Only the first chunk's decoded changes kept: the others are decoded
+    // again for their batch (and, on resume, against their pre-images).
+    RefitOptions { batch_chunks: 4, batch_bytes: u64::MAX, keep_decoded_bytes: 1 }
 }
 
 fn target(f: &Fixture, v: usize) -> MemTarget {
@@ -541,7 +543,7 @@ fn files_on_disk_resume_and_report_status() {
     files::diff_files(&p0, &p1, &dp, &o, &mut |_, _| {}).unwrap();
     let st = receiver::status_file(&tgt, None).unwrap();
     assert!(!st.exists && !receiver::default_journal_path(&tgt).exists(), "status creates nothing");
-    let out = receiver::refit_file(&dp, &tgt, None, &RefitOptions { batch_chunks: 3, batch_bytes: 1 << 20 }).unwrap();
+    let out = receiver::refit_file(&dp, &tgt, None, &RefitOptions { batch_chunks: 3, batch_bytes: 1 << 20, ..Default::default() }).unwrap();
     assert!(matches!(out, RefitOutcome::Committed(_)), "{out:?}");
     assert!(files::compare_files(&tgt, &p1).unwrap().is_empty());
     let st = receiver::status_file(&tgt, None).unwrap();

@@ -1466,6 +1466,31 @@ impl DecodedChunk {
         DecodedChunk { width, inner }
     }
 
+    /// The changed positions (words of the chunk, ascending) of a chunk
+    /// that lists them; `None` where it covers every word (dense, raw).
+    pub fn positions(&self) -> Option<&[u32]> {
+        match &self.inner {
+            Decoded::Sparse { positions, .. } => Some(positions),
+            Decoded::Full(_) => None,
+        }
+    }
+
+    /// The bytes its decoded changes take (positions and values).
+    pub fn decoded_bytes(&self) -> usize {
+        match &self.inner {
+            Decoded::Sparse { positions, planes } => 4 * positions.len() + planes.iter().map(Vec::len).sum::<usize>(),
+            Decoded::Full(bytes) => bytes.len(),
+        }
+    }
+
+    /// [`DecodedChunk::positions`], taken out of the chunk.
+    pub fn into_positions(self) -> Option<Vec<u32>> {
+        match self.inner {
+            Decoded::Sparse { positions, .. } => Some(positions),
+            Decoded::Full(_) => None,
+        }
+    }
+
     /// Positions and value words.
     pub fn to_changes(&self) -> SparseChanges {
         let width = self.width;
