@@ -16,10 +16,13 @@ a scratch folder, the delta between them is built with `dcr diff`, then:
 
 Every finished target is compared bit for bit with the new version. Times are
 the CLI's in-process ``seconds`` (interpreter start-up excluded; it is in the
-``wall`` column). Prints a table and writes JSON (schema
-``dcr.bench.recovery/1``) to ``bench-out/recovery.json``.
+``wall`` column); ``peak MiB`` is the `dcr apply` process's peak resident
+memory (its VmHWM, read every 2 ms while it runs: the interpreter, the
+mapped target pages it touched, the delta and what the refit holds). Prints a table and writes JSON
+(schema ``dcr.bench.recovery/1``) to ``bench-out/recovery.json``.
 
     python benches/bench_recovery.py [--repeats 3] [--chunk-mib 1] [--batch-chunks 8]
+    python benches/bench_recovery.py --tensors 512 --rate 0.4 --fractions none   # 1 GiB, 40 % changed
 """
 
 from __future__ import annotations
@@ -72,15 +75,44 @@ def fresh_target(base: Path, root: Path) -> Path:
     return t
 
 
+def peak_rss_mib(pid: int) -> float | None:
+    """The process's peak resident memory so far (VmHWM: that of its own
+    program image, where ``ru_maxrss`` of a child also counts the parent it
+    was forked from), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 def cli_apply(delta: Path, target: Path, batch_chunks: int) -> tuple[dict[str, Any], float]:
+    """`dcr apply --json`: its result, with ``peak_rss_mib`` added (its peak
+    resident memory, read while it runs), and the wall time."""
     t0 = time.perf_counter()
-    out = subprocess.run(
-        [*CLI, "apply", str(delta), str(target), "--batch-chunks", str(batch_chunks), "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(out.stdout), time.perf_counter() - t0
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            [*CLI, "apply", str(delta), str(target), "--batch-chunks", str(batch_chunks), "--json"],
+            stdout=out,
+            stderr=err,
+            text=True,
+        )
+        peak = 0.0
+        while proc.poll() is None:
+            # A zombie (exited, not yet reaped) has no VmHWM line: the last
+            # read before it is the peak, up to the last 2 ms.
+            peak = max(peak, peak_rss_mib(proc.pid) or 0.0)
+            time.sleep(0.002)
+        wall = time.perf_counter() - t0
+        out.seek(0)
+        err.seek(0)
+        if proc.returncode != 0:
+            raise SystemExit(f"dcr apply exited {proc.returncode}: {err.read().strip()}")
+        res = json.loads(out.read())
+    return {**res, "peak_rss_mib": peak}, wall
 
 
 def kill_at(delta: Path, target: Path, batch_chunks: int, fraction: float) -> dict[str, Any]:
@@ -115,11 +147,11 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=0.01, help="fraction of elements changed (default 0.01)")
     ap.add_argument("--chunk-mib", type=float, default=1.0)
     ap.add_argument("--batch-chunks", type=int, default=8)
-    ap.add_argument("--fractions", default="0.25,0.5,0.75")
+    ap.add_argument("--fractions", default="0.25,0.5,0.75", help="kill points, comma-separated, or 'none'")
     ap.add_argument("--out", type=Path, default=REPO / "bench-out" / "recovery.json")
     ap.add_argument("--scratch", type=Path, default=None, help="scratch folder (default: a temporary one)")
     args = ap.parse_args()
-    fractions = [float(f) for f in args.fractions.split(",")]
+    fractions = [] if args.fractions == "none" else [float(f) for f in args.fractions.split(",")]
 
     with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
         root = Path(tmp)
@@ -148,15 +180,15 @@ def main() -> int:
             t = fresh_target(base, root)
             res, wall = cli_apply(delta, t, args.batch_chunks)
             check(t)
-            rows["plain (journaled)"].append({"seconds": res["seconds"], "wall": wall, "chunks": res["chunks"]})
+            rows["plain (journaled)"].append({"seconds": res["seconds"], "wall": wall, "chunks": res["chunks"], "peak_rss_mib": res["peak_rss_mib"]})
             res, wall = cli_apply(delta, t, args.batch_chunks)
             assert res["outcome"] == "already_at_target"
-            rows["no-op rerun"].append({"seconds": res["seconds"], "wall": wall})
+            rows["no-op rerun"].append({"seconds": res["seconds"], "wall": wall, "peak_rss_mib": res["peak_rss_mib"]})
 
             t = fresh_target(base, root)
             res, wall = cli_apply(delta, t, 1 << 20)
             check(t)
-            rows[one_batch].append({"seconds": res["seconds"], "wall": wall, "chunks": res["chunks"]})
+            rows[one_batch].append({"seconds": res["seconds"], "wall": wall, "chunks": res["chunks"], "peak_rss_mib": res["peak_rss_mib"]})
 
             t = fresh_target(base, root)
             t0 = time.perf_counter()
@@ -174,6 +206,7 @@ def main() -> int:
                     {
                         "seconds": res["seconds"],
                         "wall": wall,
+                        "peak_rss_mib": res["peak_rss_mib"],
                         "at_kill": k,
                         "skipped": res["skipped"],
                         "repaired": res["repaired"],
@@ -187,7 +220,7 @@ def main() -> int:
         f"({100 * info['change_rate']:.2f} %), delta {info['payload_bytes'] / 1e6:.2f} MB in {info['chunks']} chunks "
         f"of {args.chunk_mib} MiB, {args.batch_chunks} chunks per journaled batch; median of {args.repeats}\n"
     )
-    hdr = f"{'run':<28} {'seconds':>8} {'x plain':>8} {'wall s':>7}  {'at kill: applied/in progress/not started':<42} {'then: skipped/repaired/applied'}"
+    hdr = f"{'run':<28} {'seconds':>8} {'x plain':>8} {'wall s':>7} {'peak MiB':>9}  {'at kill: applied/in progress/not started':<42} {'then: skipped/repaired/applied'}"
     print(hdr)
     print("-" * len(hdr))
     summary: dict[str, Any] = {}
@@ -196,13 +229,17 @@ def main() -> int:
             continue
         sec = statistics.median(r["seconds"] for r in rs)
         wall = statistics.median(r["wall"] for r in rs)
+        # In-process rows (no journal) have no process of their own.
+        peaks = [r["peak_rss_mib"] for r in rs if "peak_rss_mib" in r]
+        peak = max(peaks) if peaks else None
         kill = then = ""
         if "at_kill" in rs[0]:
             ks = [r["at_kill"] for r in rs if r["at_kill"]["killed"]]
             kill = ", ".join(f"{k['applied']}/{k['in_progress']}/{k['not_started']}" for k in ks) or "finished first"
             then = ", ".join(f"{r['skipped']}/{r['repaired']}/{r['applied']}" for r in rs)
-        print(f"{name:<28} {sec:>8.3f} {sec / plain:>8.2f} {wall:>7.2f}  {kill:<42} {then}")
-        summary[name] = {"median_seconds": sec, "median_wall": wall, "ratio_to_plain": sec / plain, "runs": rs}
+        peak_cell = f"{peak:>9.1f}" if peak is not None else f"{'-':>9}"
+        print(f"{name:<28} {sec:>8.3f} {sec / plain:>8.2f} {wall:>7.2f} {peak_cell}  {kill:<42} {then}")
+        summary[name] = {"median_seconds": sec, "median_wall": wall, "ratio_to_plain": sec / plain, "max_peak_rss_mib": peak, "runs": rs}
 
     doc = {
         "schema": "dcr.bench.recovery/1",
