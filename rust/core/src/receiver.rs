@@ -1180,13 +1180,7 @@ impl ReceivedSpool {
     /// once the version commits, or when the refit fails before it began
     /// (nothing to resume).
     pub fn refit(mut self, opts: &RefitOptions) -> Result<RefitOutcome> {
-        let out = self.out.take().expect("open until refit");
-        let file = out.into_inner().map_err(|e| Error::io("write", &self.tmp, e.into_error()))?;
-        file.sync_all().map_err(|e| Error::io("sync", &self.tmp, e))?;
-        drop(file);
-        let spool = spool_path(&self.journal);
-        std::fs::rename(&self.tmp, &spool).map_err(|e| Error::io("rename into place", &spool, e))?;
-        crate::files::sync_dir(spool.parent().unwrap_or(Path::new("")))?;
+        let spool = self.make_durable()?;
         let delta = match crate::files::read_delta_file(&spool) {
             Ok((delta, _)) => delta,
             Err(e) => {
@@ -1195,6 +1189,27 @@ impl ReceivedSpool {
             }
         };
         refit_spooled(&self.journal, &spool, &delta, &self.target, opts)
+    }
+
+    /// [`ReceivedSpool::refit`] of a delta the caller holds whole and
+    /// parsed (`delta`, of the very bytes it appended): made durable the
+    /// same way, applied from memory instead of read back.
+    fn refit_parsed<P: AsRef<[u8]> + Sync>(mut self, delta: &Delta<P>, opts: &RefitOptions) -> Result<RefitOutcome> {
+        let spool = self.make_durable()?;
+        refit_spooled(&self.journal, &spool, delta, &self.target, opts)
+    }
+
+    /// The spool made durable: the file synced, renamed into place, the
+    /// directory synced. Returns its path.
+    fn make_durable(&mut self) -> Result<PathBuf> {
+        let out = self.out.take().expect("open until refit");
+        let file = out.into_inner().map_err(|e| Error::io("write", &self.tmp, e.into_error()))?;
+        file.sync_all().map_err(|e| Error::io("sync", &self.tmp, e))?;
+        drop(file);
+        let spool = spool_path(&self.journal);
+        std::fs::rename(&self.tmp, &spool).map_err(|e| Error::io("rename into place", &spool, e))?;
+        crate::files::sync_dir(spool.parent().unwrap_or(Path::new("")))?;
+        Ok(spool)
     }
 }
 
@@ -1208,17 +1223,17 @@ impl Drop for ReceivedSpool {
 
 /// Apply delta bytes that a transport delivered whole (object storage) to
 /// the safetensors file `target`, journaled exactly like [`refit_file`]:
-/// spooled durably beside the journal, applied by [`refit`], the spool
+/// spooled durably beside the journal, applied by [`refit`] from `bytes`
+/// (the spool is not read back: the delta is in memory once), the spool
 /// removed once the version commits. A call that dies mid-apply leaves the
 /// journal and the spool for [`resume_received`].
 pub fn refit_received(bytes: &[u8], target: &Path, journal: Option<&Path>, opts: &RefitOptions) -> Result<RefitOutcome> {
     // Refused before anything is written: a corrupt delta, another layout.
     let delta = crate::delta::read_delta(bytes)?;
     delta.header.layout.ensure_same(ReadOnlyCheckpoint::open(target)?.layout(), "target checkpoint")?;
-    drop(delta);
     let mut spool = ReceivedSpool::create(target, journal)?;
     spool.append(bytes)?;
-    spool.refit(opts)
+    spool.refit_parsed(&delta, opts)
 }
 
 /// Finish a received refit that an earlier call started and did not commit
