@@ -493,7 +493,7 @@ impl Prepared<'_> {
 
 /// Where an in-progress chunk's pre-image is (the undo file read back, and
 /// its path for errors), and which chunks are in progress.
-type InProgress<'a> = (Option<(&'a UndoScan, &'a Path)>, &'a (dyn Fn(u32) -> bool + Sync));
+type InFlight<'a> = (Option<(&'a UndoScan, &'a Path)>, &'a (dyn Fn(u32) -> bool + Sync));
 
 /// Decodes chunks `seqs` against the target's current bytes `bufs`, all of
 /// them (nothing is written unless every chunk decodes), a group of about
@@ -501,13 +501,13 @@ type InProgress<'a> = (Option<(&'a UndoScan, &'a Path)>, &'a (dyn Fn(u32) -> boo
 /// changes of the first chunks are kept up to `keep_bytes`; the others are
 /// dropped and decoded again for their batch (`decode_again`). An
 /// in-progress context-mode chunk is decoded against its base rebuilt from
-/// its pre-image in `stored` (its bytes in the target may be half-applied).
+/// its pre-image (`in_flight`: its bytes in the target may be half-applied).
 fn prepare<'d, P: AsRef<[u8]> + Sync>(
     delta: &'d Delta<P>,
     layout: &Layout,
     seqs: &[u32],
     bufs: &[&[u8]],
-    progress: InProgress<'_>,
+    in_flight: InFlight<'_>,
     keep_bytes: u64,
 ) -> Result<Vec<Prepared<'d>>> {
     const DECODE_GROUP_BYTES: usize = 64 << 20;
@@ -545,7 +545,7 @@ fn prepare<'d, P: AsRef<[u8]> + Sync>(
                     decoded: None,
                     context: frame.mode == Mode::Context,
                 };
-                p.decoded = Some(decode_prepared(&p, layout, &bufs[tensor][range.clone()], progress)?);
+                p.decoded = Some(decode_prepared(&p, layout, &bufs[tensor][range.clone()], in_flight)?);
                 Ok(p)
             })
             .collect::<Result<_>>()?;
@@ -562,7 +562,7 @@ fn prepare<'d, P: AsRef<[u8]> + Sync>(
 }
 
 /// Decodes `p`'s chunk against `current`, its bytes in the target.
-fn decode_prepared(p: &Prepared<'_>, layout: &Layout, current: &[u8], (stored, in_progress): InProgress<'_>) -> Result<DecodedChunk> {
+fn decode_prepared(p: &Prepared<'_>, layout: &Layout, current: &[u8], (stored, in_progress): InFlight<'_>) -> Result<DecodedChunk> {
     let seq = p.seq;
     match stored {
         Some((s, upath)) if p.context && in_progress(seq) => {
@@ -583,9 +583,9 @@ fn decode_prepared(p: &Prepared<'_>, layout: &Layout, current: &[u8], (stored, i
 
 /// Decodes the chunks of `batch` whose changes `prepare` did not keep,
 /// against the target's bytes (which nothing has written there since).
-fn decode_again(batch: &mut [Prepared<'_>], layout: &Layout, bufs: &[&[u8]], progress: InProgress<'_>) -> Result<()> {
+fn decode_again(batch: &mut [Prepared<'_>], layout: &Layout, bufs: &[&[u8]], in_flight: InFlight<'_>) -> Result<()> {
     batch.par_iter_mut().filter(|p| p.decoded.is_none()).try_for_each(|p| {
-        p.decoded = Some(decode_prepared(p, layout, &bufs[p.tensor][p.range.clone()], progress)?);
+        p.decoded = Some(decode_prepared(p, layout, &bufs[p.tensor][p.range.clone()], in_flight)?);
         Ok(())
     })
 }
@@ -755,10 +755,10 @@ pub fn refit<I: JournalIo + Clone, P: AsRef<[u8]> + Sync>(
     let todo: Vec<u32> = (0..plan.n_chunks).filter(|&s| r.chunks[s as usize] != ChunkState::Applied).collect();
     let skipped = plan.n_chunks - todo.len() as u32;
     let in_progress = |seq: u32| r.chunks[seq as usize] == ChunkState::InProgress;
-    let progress: InProgress<'_> = (stored.as_ref().map(|s| (s, upath.as_path())), &in_progress);
+    let in_flight: InFlight<'_> = (stored.as_ref().map(|s| (s, upath.as_path())), &in_progress);
     let mut prepared = match fresh_prepared {
         Some(p) => p,
-        None => prepare(delta, &layout, &todo, &target.buffers(), progress, opts.keep_decoded_bytes)?,
+        None => prepare(delta, &layout, &todo, &target.buffers(), in_flight, opts.keep_decoded_bytes)?,
     };
     let (mut applied, mut repaired) = (0u32, 0u32);
 
@@ -774,7 +774,7 @@ pub fn refit<I: JournalIo + Clone, P: AsRef<[u8]> + Sync>(
             bytes += prepared[end].range.len() as u64;
             end += 1;
         }
-        decode_again(&mut prepared[start..end], &layout, &target.buffers(), progress)?;
+        decode_again(&mut prepared[start..end], &layout, &target.buffers(), in_flight)?;
         let batch: Vec<&Prepared<'_>> = prepared[start..end].iter().collect();
         let state = |p: &Prepared<'_>| r.chunks[p.seq as usize];
         // 1. Pre-images of the chunks not started yet, durable first.
