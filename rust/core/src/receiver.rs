@@ -419,7 +419,7 @@ pub enum RefitOutcome {
 /// A chunk checked and ready: its frame, target range and, while held,
 /// its decoded changes.
 struct Prepared<'d> {
-    seq: u32,
+    /// `frame.tensor` as an index.
     tensor: usize,
     range: Range<usize>,
     width: usize,
@@ -428,9 +428,6 @@ struct Prepared<'d> {
     /// (`DecodedChunk::positions`; none where the chunk covers every word).
     /// `None` while not held (see `prepare`): decoded again for its batch.
     decoded: Option<DecodedChunk>,
-    /// A context-mode chunk: decoding it reads the chunk's base bytes, so its
-    /// pre-image also holds its positions (u32 LE, before the values).
-    context: bool,
 }
 
 /// Writes `values` (one `width`-byte word per position) at `positions`.
@@ -453,13 +450,21 @@ fn context_preimage(pre: &[u8], width: usize, len: usize) -> Option<(Vec<u32>, &
 }
 
 impl Prepared<'_> {
+    fn seq(&self) -> u32 {
+        self.frame.seq
+    }
+    /// A context-mode chunk: decoding it reads the chunk's base bytes, so its
+    /// pre-image also holds its positions (u32 LE, before the values).
+    fn context(&self) -> bool {
+        self.frame.mode == Mode::Context
+    }
     /// Its decoded changes (held from `decode_again` to the end of its batch).
     fn changes(&self) -> &DecodedChunk {
         self.decoded.as_ref().expect("a batch's chunks are decoded before it runs")
     }
     fn preimage_len(&self) -> usize {
         match self.changes().positions() {
-            Some(p) => p.len() * (self.width + if self.context { 4 } else { 0 }),
+            Some(p) => p.len() * (self.width + if self.context() { 4 } else { 0 }),
             None => self.range.len(),
         }
     }
@@ -468,7 +473,7 @@ impl Prepared<'_> {
             Some(ps) => {
                 let w = self.width;
                 let mut out = Vec::with_capacity(self.preimage_len());
-                if self.context {
+                if self.context() {
                     ps.iter().for_each(|p| out.extend_from_slice(&p.to_le_bytes()));
                 }
                 for &p in ps {
@@ -483,7 +488,7 @@ impl Prepared<'_> {
     fn restore(&self, slice: &mut [u8], pre: &[u8]) {
         match self.changes().positions() {
             Some(ps) => {
-                let values = if self.context { &pre[4 * ps.len()..] } else { pre };
+                let values = if self.context() { &pre[4 * ps.len()..] } else { pre };
                 put_words(slice, ps, values, self.width);
             }
             None => slice.copy_from_slice(pre),
@@ -537,13 +542,11 @@ fn prepare<'d, P: AsRef<[u8]> + Sync>(
             .map(|(frame, range)| {
                 let tensor = frame.tensor as usize;
                 let mut p = Prepared {
-                    seq: frame.seq,
                     tensor,
                     range: range.clone(),
                     width: layout.tensors()[tensor].dtype.word_bytes(),
                     frame: frame.clone(),
                     decoded: None,
-                    context: frame.mode == Mode::Context,
                 };
                 p.decoded = Some(decode_prepared(&p, layout, &bufs[tensor][range.clone()], in_flight)?);
                 Ok(p)
@@ -563,9 +566,9 @@ fn prepare<'d, P: AsRef<[u8]> + Sync>(
 
 /// Decodes `p`'s chunk against `current`, its bytes in the target.
 fn decode_prepared(p: &Prepared<'_>, layout: &Layout, current: &[u8], (stored, in_progress): InFlight<'_>) -> Result<DecodedChunk> {
-    let seq = p.seq;
+    let seq = p.seq();
     match stored {
-        Some((s, upath)) if p.context && in_progress(seq) => {
+        Some((s, upath)) if p.context() && in_progress(seq) => {
             let bad = || undo_corrupt(upath, 0, format!("the pre-image of context-mode chunk {seq} is damaged"));
             let pre = &s.bytes[s.entries.get(&seq).ok_or_else(bad)?.clone()];
             let (ps, values) = context_preimage(pre, p.width, p.range.len()).ok_or_else(bad)?;
@@ -776,13 +779,13 @@ pub fn refit<I: JournalIo + Clone, P: AsRef<[u8]> + Sync>(
         }
         decode_again(&mut prepared[start..end], &layout, &target.buffers(), in_flight)?;
         let batch: Vec<&Prepared<'_>> = prepared[start..end].iter().collect();
-        let state = |p: &Prepared<'_>| r.chunks[p.seq as usize];
+        let state = |p: &Prepared<'_>| r.chunks[p.seq() as usize];
         // 1. Pre-images of the chunks not started yet, durable first.
         let fresh: Vec<&Prepared<'_>> = batch.iter().copied().filter(|p| state(p) == ChunkState::NotStarted).collect();
         if let Some(undo) = undo.as_mut() {
             let entries: Vec<(u32, Vec<u8>)> = {
                 let bufs = target.buffers();
-                fresh.par_iter().map(|p| (p.seq, p.capture(&bufs[p.tensor][p.range.clone()]))).collect()
+                fresh.par_iter().map(|p| (p.seq(), p.capture(&bufs[p.tensor][p.range.clone()]))).collect()
             };
             undo.append(&entries)?;
         }
@@ -791,7 +794,7 @@ pub fn refit<I: JournalIo + Clone, P: AsRef<[u8]> + Sync>(
                 .iter()
                 .filter(|p| state(p) == ChunkState::InProgress)
                 .map(|p| {
-                    let r = s.entries[&p.seq].clone();
+                    let r = s.entries[&p.seq()].clone();
                     let bytes = &s.bytes[r];
                     if bytes.len() != p.preimage_len() {
                         return Err(undo_corrupt(
@@ -799,19 +802,19 @@ pub fn refit<I: JournalIo + Clone, P: AsRef<[u8]> + Sync>(
                             0,
                             format!(
                                 "the pre-image of chunk {} has {} bytes, expected {}",
-                                p.seq,
+                                p.seq(),
                                 bytes.len(),
                                 p.preimage_len()
                             ),
                         ));
                     }
-                    Ok((p.seq, bytes))
+                    Ok((p.seq(), bytes))
                 })
                 .collect::<Result<_>>()?,
             None => HashMap::new(),
         };
         // 2. Record them started.
-        let fresh_seqs: Vec<u32> = fresh.iter().map(|p| p.seq).collect();
+        let fresh_seqs: Vec<u32> = fresh.iter().map(|p| p.seq()).collect();
         if !fresh_seqs.is_empty() {
             j.chunks_started(&fresh_seqs)?;
         }
@@ -821,7 +824,7 @@ pub fn refit<I: JournalIo + Clone, P: AsRef<[u8]> + Sync>(
             let spans: Vec<(usize, Range<usize>)> = batch.iter().map(|p| (p.tensor, p.range.clone())).collect();
             let slices = split(target.buffers_mut(), &spans);
             slices.into_par_iter().zip(batch.par_iter()).for_each(|(slice, p)| {
-                if let Some(old) = pre.get(&p.seq) {
+                if let Some(old) = pre.get(&p.seq()) {
                     p.restore(slice, old);
                 }
                 p.changes().apply(slice, p.frame.kind);
@@ -832,7 +835,7 @@ pub fn refit<I: JournalIo + Clone, P: AsRef<[u8]> + Sync>(
         // 4. Flush the touched ranges, 5. record them applied.
         let ranges: Vec<(usize, Range<usize>)> = batch.iter().map(|p| (p.tensor, p.range.clone())).collect();
         target.flush_ranges(&ranges)?;
-        let seqs: Vec<u32> = batch.iter().map(|p| p.seq).collect();
+        let seqs: Vec<u32> = batch.iter().map(|p| p.seq()).collect();
         j.chunks_applied(&seqs)?;
         // Their decoded changes are not needed again (a roll back decodes
         // from the payloads): memory back for the next batches.
