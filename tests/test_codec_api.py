@@ -143,6 +143,50 @@ def test_bad_inputs_give_clear_errors():
         dcr.apply_tensors(delta, {"a": shared[:4], "b": shared[:4]})
 
 
+def test_torch_state_dicts_of_every_kind_are_read_in_place():
+    """The core reads plain contiguous CPU tensors itself; parameters,
+    non-dict mappings, leaves that need grad and views go their own ways."""
+    import types
+
+    gen = torch.Generator().manual_seed(5)
+    old = {
+        "p": torch.nn.Parameter(random_bits(gen, torch.bfloat16, 300), requires_grad=False),
+        "g": torch.nn.Parameter(torch.randn(64, generator=gen)),  # a leaf that needs grad
+        "i": random_bits(gen, torch.int32, 50),
+        "n": np.arange(40, dtype=np.int16),
+    }
+    new = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v.copy()) for k, v in old.items()}
+    with torch.no_grad():
+        new["p"].view(torch.int16)[::7] ^= 1
+        new["g"][::3] += 1.0
+    new["i"][5] += 1
+    new["n"][::4] += 2
+    # A read-only mapping in another order: the names, not the order, pair them.
+    delta, stats = dcr.diff_tensors(types.MappingProxyType(old), dict(reversed(list(new.items()))))
+    assert stats["changed_elements"] == 43 + 22 + 1 + 10
+    assert dcr.tensor_digests(old) == dcr.tensor_digests(types.MappingProxyType(dict(old)))
+    target = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v.copy()) for k, v in old.items()}
+    target["g"] = torch.nn.Parameter(target["g"])  # written in place through its data
+    pointers = {k: v.data_ptr() for k, v in target.items() if isinstance(v, torch.Tensor)}
+    dcr.apply_tensors(delta, target, base_digests=dcr.tensor_digests(old))
+    assert {k: v.data_ptr() for k, v in target.items() if isinstance(v, torch.Tensor)} == pointers
+    for k in ("p", "g", "i"):
+        assert bits_equal(target[k].detach(), new[k].detach()), k
+    assert target["n"].tobytes() == new["n"].tobytes()
+    assert dcr.digest_tensors(target) == dcr.digest_tensors(new)
+
+    with pytest.raises(ValueError, match="'v' is not contiguous"):
+        dcr.diff_tensors({"v": torch.zeros(4, 4)[:, 1]}, {"v": torch.zeros(4)})
+    with pytest.raises(TypeError, match="tensor names must be str"):
+        dcr.tensor_digests({3: torch.zeros(2)})
+    with pytest.raises(TypeError, match="cannot store"):
+        dcr.tensor_digests({"c": torch.zeros(2, dtype=torch.complex128)})
+    with pytest.raises(dcr.LayoutMismatchError, match=r"different tensor names \(e.g. \['b', 'c'\]\)"):
+        dcr.diff_tensors({"a": torch.zeros(2), "b": torch.zeros(2)}, {"a": torch.zeros(2), "c": torch.zeros(2)})
+    with pytest.raises(dcr.LayoutMismatchError, match=r"'a': old is BF16\[2\], new is F32\[2\]"):
+        dcr.diff_tensors({"a": torch.zeros(2, dtype=torch.bfloat16)}, {"a": torch.zeros(2)})
+
+
 def test_gil_is_released_during_work(rng):
     """Another Python thread keeps running while a large diff runs."""
     old = {"a": rng.integers(0, 2**16, 8_000_000, dtype=np.uint16)}
@@ -197,7 +241,7 @@ def test_known_base_digests_give_the_same_delta_and_a_verified_apply():
     assert dcr.diff_tensors(old, new, base_digests=as_views)[0] == plain
     with pytest.raises(dcr.LayoutMismatchError, match="lacks 1 tensors.*t2"):
         dcr.diff_tensors(old, new, base_digests={k: d for k, d in digests.items() if k != "t2"})
-    with pytest.raises(ValueError, match="16 bytes, got 15"):
+    with pytest.raises(ValueError, match="tensor t1 has 15 bytes; a tensor digest has 16"):
         dcr.diff_tensors(old, new, base_digests={**digests, "t1": digests["t1"][:15]})
 
 

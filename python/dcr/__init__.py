@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from dcr import _buffers
 from dcr._core import (
     DEFAULT_CHUNK_BYTES,
     FORMAT_VERSION,
@@ -99,23 +98,9 @@ def diff_tensors(
     ``threads``: worker threads (default: every core); 1 works on the calling
     thread itself, with no hand-off to a pool.
     """
-    if old.keys() != new.keys():
-        missing = sorted(set(old) ^ set(new))[:5]
-        raise LayoutMismatchError(f"old and new hold different tensor names (e.g. {missing}); pass matching state dicts")
-    olds = _buffers.describe(old)
-    news = _buffers.describe({k: new[k] for k in old})
-    names, dtypes, shapes, old_spans, _ = olds
-    _, new_dtypes, new_shapes, new_spans, _ = news
-    if dtypes != new_dtypes or shapes != new_shapes:  # whole lists first: a refit's layouts match
-        for n, a, b, sa, sb in zip(names, dtypes, new_dtypes, shapes, new_shapes):
-            if a != b or (sa != sb and list(sa) != list(sb)):  # torch.Size or list
-                raise LayoutMismatchError(f"tensor {n!r}: old is {a}{list(sa)}, new is {b}{list(sb)}; shapes and dtypes must match")
-    delta, stats = _core.diff_buffers(
-        names,
-        dtypes,
-        shapes,
-        old_spans,
-        new_spans,
+    return _core.diff_tensors(
+        old,
+        new,
         chunk_bytes=chunk_bytes,
         kind=kind,
         zstd_level=zstd_level,
@@ -123,10 +108,8 @@ def diff_tensors(
         base_version=base_version,
         target_version=target_version,
         threads=threads,
-        base_digests=_digest_list(base_digests, names),
+        base_digests=base_digests,
     )
-    del olds, news  # owners stay referenced until here
-    return delta, stats
 
 
 def apply_tensors(delta: bytes, tensors: Mapping[str, Any], *, threads: int | None = None,
@@ -142,40 +125,16 @@ def apply_tensors(delta: bytes, tensors: Mapping[str, Any], *, threads: int | No
     words the delta writes.
     ``threads`` as in :func:`diff_tensors`.
     """
-    described = _buffers.describe(tensors, writable=True)
-    names, dtypes, shapes, ptrs, _ = described
-    result = _core.apply_buffers(bytes(delta), names, dtypes, shapes, ptrs, threads=threads,
-                                 base_digests=_digest_list(base_digests, names))
-    del described
-    return result
-
-
-def _digest_list(digests: Mapping[str, bytes] | None, names: list[str]) -> list[bytes] | None:
-    if digests is None:
-        return None
-    try:
-        return [bytes(digests[n]) for n in names]
-    except KeyError:
-        missing = [n for n in names if n not in digests]
-        raise LayoutMismatchError(f"base_digests lacks {len(missing)} tensors, e.g. {missing[:3]}; "
-                                  "pass dcr.tensor_digests() of the same state dict") from None
+    return _core.apply_tensors(bytes(delta), tensors, threads=threads, base_digests=base_digests)
 
 
 def tensor_digests(tensors: Mapping[str, Any]) -> dict[str, bytes]:
     """Each tensor's digest (16 bytes; they add up over elements, see
     docs/format.md). Keep them with a committed version to diff or apply the
     next delta without digesting the whole checkpoint again."""
-    described = _buffers.describe(tensors)
-    names, dtypes, shapes, ptrs, _ = described
-    out = _core.tensor_digest_buffers(names, dtypes, shapes, ptrs)
-    del described
-    return dict(zip(names, out))
+    return _core.tensor_digests(tensors)
 
 
 def digest_tensors(tensors: Mapping[str, Any]) -> str:
     """Checkpoint digest (hex) of a state dict: equal digests mean equal bits."""
-    described = _buffers.describe(tensors)
-    names, dtypes, shapes, ptrs, _ = described
-    digest = _core.digest_buffers(names, dtypes, shapes, ptrs)
-    del described
-    return digest
+    return _core.digest_tensors(tensors)

@@ -1,14 +1,14 @@
 """Zero-copy hand-off of numpy arrays and CPU torch tensors to the Rust core.
 
-The core receives (data pointer, byte length) spans; this module checks that
-each array is a C-contiguous CPU array, names its dtype the safetensors way,
-and keeps the owners referenced for the duration of the call.
+The core receives (data pointer, byte length) spans. It reads plain
+contiguous CPU torch tensors itself (``rust/py/src/tensors.rs``); for
+anything else it calls :func:`span_of`, which checks that the array is a
+C-contiguous CPU array, names its dtype the safetensors way, and says what
+to pass instead where it cannot be used.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -103,54 +103,3 @@ def span_of(name: str, x: Any, *, writable: bool = False) -> Span:
             f"array {name!r} has dtype {a.dtype}; use a safetensors dtype (bf16 and fp8 via torch tensors)"
         )
     return Span(name, _NUMPY_DTYPES[a.dtype], list(a.shape), a.ctypes.data, a.nbytes, a)
-
-
-class Described(NamedTuple):
-    """A state dict as the core takes it: parallel lists, and the owners to
-    keep referenced for the duration of the call."""
-
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[Sequence[int]]
-    spans: list[tuple[int, int]]
-    owners: list[Any]
-
-
-def describe(tensors: Mapping[str, Any], *, writable: bool = False) -> Described:
-    """Describe every tensor or array of ``tensors`` (see :func:`span_of`).
-
-    Plain contiguous CPU torch tensors take a short path (a refit describes
-    every tensor of the model on each call: about 0.6 against 1.3 us each;
-    their shapes stay ``torch.Size`` tuples);
-    anything else goes through :func:`span_of`, which also raises the errors."""
-    out = Described([], [], [], [], [])
-    names, dtypes, shapes, spans, owners = out
-    tensor_type = _torch_tensor_type()
-    known = _TORCH_DTYPES
-    for name, x in tensors.items():
-        if tensor_type is not None and isinstance(x, tensor_type) and x.is_cpu and x.is_contiguous() \
-                and not (writable and x.requires_grad):
-            dtype = known.get(x.dtype) or _torch_dtype_name(x.dtype)
-            if dtype is not None:
-                names.append(name)
-                dtypes.append(dtype)
-                # torch.Size is a tuple: the core reads any sequence, and a
-                # list of it cost a fifth of this loop.
-                shapes.append(x.shape)
-                spans.append((x.data_ptr(), x.nbytes))
-                owners.append(x)
-                continue
-        s = span_of(name, x, writable=writable)
-        names.append(s.name)
-        dtypes.append(s.dtype)
-        shapes.append(s.shape)
-        spans.append((s.ptr, s.nbytes))
-        owners.append(s.owner)
-    return out
-
-
-def _torch_tensor_type() -> Any:
-    """``torch.Tensor`` when torch is loaded (a numpy-only caller never
-    imports it)."""
-    torch = sys.modules.get("torch")
-    return getattr(torch, "Tensor", None)

@@ -1,7 +1,7 @@
 """Type stubs of the Rust extension module ``dcr._core`` (kept honest by
 ``python -m mypy.stubtest dcr._core`` in CI)."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, final
 
@@ -24,17 +24,17 @@ __all__ = [
     "VersionChainError",
     "VersionExistsError",
     "__version__",
-    "apply_buffers",
     "apply_changes",
     "apply_file",
+    "apply_tensors",
     "block_digest",
     "checkpoint_files",
     "compare_files",
     "decode_delta",
     "delta_header",
-    "diff_buffers",
     "diff_files",
-    "digest_buffers",
+    "diff_tensors",
+    "digest_tensors",
     "file_digest",
     "find_changes",
     "inspect_file",
@@ -44,7 +44,7 @@ __all__ = [
     "relay_main",
     "scan_and_project",
     "sort_records",
-    "tensor_digest_buffers",
+    "tensor_digests",
     "TransportError",
     "objstore_gc",
     "objstore_publish",
@@ -95,12 +95,9 @@ def compare_files(a: str | Any, b: str | Any) -> list[str]: ...
 def inspect_file(path: str | Any) -> dict[str, Any]: ...
 def file_digest(path: str | Any) -> str: ...
 def checkpoint_files(path: str | Any) -> list[Path]: ...
-def diff_buffers(
-    names: list[str],
-    dtypes: list[str],
-    shapes: list[list[int]],
-    old: list[_Span],
-    new: list[_Span],
+def diff_tensors(
+    old: Mapping[str, Any],
+    new: Mapping[str, Any],
     *,
     chunk_bytes: int = ...,
     kind: str = "xor",
@@ -109,22 +106,17 @@ def diff_buffers(
     base_version: int = 0,
     target_version: int = 1,
     threads: int | None = None,
-    base_digests: list[bytes] | None = None,
+    base_digests: Mapping[str, Any] | None = None,
 ) -> tuple[bytes, dict[str, Any]]: ...
-def apply_buffers(
+def apply_tensors(
     delta: bytes,
-    names: list[str],
-    dtypes: list[str],
-    shapes: list[list[int]],
-    targets: list[_Span],
+    tensors: Mapping[str, Any],
     *,
     threads: int | None = None,
-    base_digests: list[bytes] | None = None,
+    base_digests: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]: ...
-def digest_buffers(names: list[str], dtypes: list[str], shapes: list[list[int]], bufs: list[_Span]) -> str: ...
-def tensor_digest_buffers(
-    names: list[str], dtypes: list[str], shapes: list[list[int]], bufs: list[_Span]
-) -> list[bytes]: ...
+def digest_tensors(tensors: Mapping[str, Any]) -> str: ...
+def tensor_digests(tensors: Mapping[str, Any]) -> dict[str, bytes]: ...
 def find_changes(old: _Span, new: _Span, width: int, kind: str = "xor") -> tuple[bytes, bytes]: ...
 def apply_changes(target: _Span, width: int, positions: bytes, values: bytes, kind: str = "xor") -> None: ...
 def block_digest(

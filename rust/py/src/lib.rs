@@ -5,6 +5,7 @@
 
 mod errors;
 mod sharded;
+mod tensors;
 mod transport;
 
 use std::collections::HashMap;
@@ -21,7 +22,6 @@ use dcr_core::receiver;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use pyo3::intern;
-use pyo3::pybacked::PyBackedBytes;
 
 use errors::to_py;
 
@@ -227,7 +227,7 @@ fn checkpoint_files(path: PathBuf) -> PyResult<Vec<PathBuf>> {
 /// takes them from numpy arrays or torch tensors, checks contiguity and
 /// keeps the owners alive for the duration of the call. (The buffer protocol
 /// is not in the stable ABI before CPython 3.11, and this wheel serves 3.10.)
-type Span = (usize, usize);
+pub(crate) type Span = (usize, usize);
 
 fn check_spans(spans: &[Span], writable: bool) -> PyResult<()> {
     if spans.iter().any(|&(p, n)| n > 0 && p == 0) {
@@ -291,26 +291,44 @@ fn layout_of(names: Vec<String>, dtypes: Vec<String>, shapes: Vec<Vec<u64>>) -> 
         .zip(shapes)
         .map(|((name, dtype), shape)| Ok(TensorSpec { name, dtype: DType::from_name(&dtype).map_err(to_py)?, shape }))
         .collect::<PyResult<Vec<_>>>()?;
+    layout_of_specs(specs)
+}
+
+/// The canonical layout of tensors given in the caller's order, and that
+/// order: `order[k]` is the caller's index of the layout's tensor `k`.
+fn layout_of_specs(specs: Vec<TensorSpec>) -> PyResult<(Layout, Vec<usize>)> {
     let mut order: Vec<usize> = (0..specs.len()).collect();
     order.sort_by(|&a, &b| specs[a].name.cmp(&specs[b].name));
     let layout = Layout::new(specs).map_err(to_py)?;
     Ok((layout, order))
 }
 
-/// The size of the delta `diff_buffers` built last.
+/// The size of the delta `diff_tensors` built last.
 static LAST_DELTA_BYTES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
-/// Diff two lists of tensor buffers (uint8 views) into delta bytes.
+/// A described state dict's layout, its order (see `layout_of_specs`) and
+/// the base digests the caller holds for it, in the layout's order.
+fn layout_and_digests(sd: &mut tensors::StateDict<'_>, base_digests: Option<&Bound<'_, PyAny>>) -> PyResult<(Layout, Vec<usize>, Option<Vec<dcr_core::checkpoint::Digest>>)> {
+    let (layout, order) = layout_of_specs(std::mem::take(&mut sd.specs))?;
+    let known = match base_digests {
+        Some(d) => {
+            let given = tensors::digests_for(d, &sd.names)?;
+            Some(order.iter().map(|&i| given[i]).collect())
+        }
+        None => None,
+    };
+    Ok((layout, order, known))
+}
+
+/// Diff two state dicts (names to CPU torch tensors or numpy arrays) into
+/// delta bytes.
 #[pyfunction]
-#[pyo3(signature = (names, dtypes, shapes, old, new, *, chunk_bytes=delta::DEFAULT_CHUNK_BYTES, kind="xor", zstd_level=1, mode="free", base_version=0, target_version=1, threads=None, base_digests=None))]
+#[pyo3(signature = (old, new, *, chunk_bytes=delta::DEFAULT_CHUNK_BYTES, kind="xor", zstd_level=1, mode="free", base_version=0, target_version=1, threads=None, base_digests=None))]
 #[allow(clippy::too_many_arguments)]
-fn diff_buffers<'py>(
+fn diff_tensors<'py>(
     py: Python<'py>,
-    names: Vec<String>,
-    dtypes: Vec<String>,
-    shapes: Vec<Vec<u64>>,
-    old: Vec<Span>,
-    new: Vec<Span>,
+    old: &Bound<'py, PyAny>,
+    new: &Bound<'py, PyAny>,
     chunk_bytes: u32,
     kind: &str,
     zstd_level: i32,
@@ -318,14 +336,15 @@ fn diff_buffers<'py>(
     base_version: u64,
     target_version: u64,
     threads: Option<usize>,
-    base_digests: Option<Vec<PyBackedBytes>>,
+    base_digests: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyDict>)> {
-    let (layout, order) = layout_of(names, dtypes, shapes)?;
-    let known = known_digests(base_digests, &order)?;
-    check_spans(&old, false)?;
-    check_spans(&new, false)?;
     let opts = DiffOptions { chunk_bytes, kind: parse_kind(kind)?, zstd_level, mode: parse_mode(mode)?, base_version, target_version, dense: false, ..Default::default() };
-    let (o, n) = (slices(&old), slices(&new));
+    let mut olds = tensors::describe(old, false)?;
+    let (new_spans, _new_owners) = tensors::spans_like(new, &olds)?;
+    let (layout, order, known) = layout_and_digests(&mut olds, base_digests)?;
+    check_spans(&olds.spans, false)?;
+    check_spans(&new_spans, false)?;
+    let (o, n) = (slices(&olds.spans), slices(&new_spans));
     let o: Vec<&[u8]> = order.iter().map(|&i| o[i]).collect();
     let n: Vec<&[u8]> = order.iter().map(|&i| n[i]).collect();
     let (bytes, stats) = run_detached(py, threads, || {
@@ -343,25 +362,21 @@ fn diff_buffers<'py>(
     Ok((PyBytes::new(py, &bytes), stats_dict(py, &stats)?))
 }
 
-/// Apply delta bytes in place to a list of writable tensor buffers.
+/// Apply delta bytes in place to a state dict of writable tensors.
 #[pyfunction]
-#[pyo3(signature = (delta, names, dtypes, shapes, targets, *, threads=None, base_digests=None))]
-#[allow(clippy::too_many_arguments)]
-fn apply_buffers<'py>(
+#[pyo3(signature = (delta, tensors, *, threads=None, base_digests=None))]
+fn apply_tensors<'py>(
     py: Python<'py>,
     delta: &[u8],
-    names: Vec<String>,
-    dtypes: Vec<String>,
-    shapes: Vec<Vec<u64>>,
-    targets: Vec<Span>,
+    tensors: &Bound<'py, PyAny>,
     threads: Option<usize>,
-    base_digests: Option<Vec<PyBackedBytes>>,
+    base_digests: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let (layout, order) = layout_of(names, dtypes, shapes)?;
-    let known = known_digests(base_digests, &order)?;
-    check_spans(&targets, true)?;
+    let mut targets = tensors::describe(tensors, true)?;
+    let (layout, order, known) = layout_and_digests(&mut targets, base_digests)?;
+    check_spans(&targets.spans, true)?;
     let d = delta;
-    let mut t = slices_mut(&targets);
+    let mut t = slices_mut(&targets.spans);
     let mut sorted: Vec<&mut [u8]> = Vec::with_capacity(t.len());
     let mut slots: Vec<Option<&mut [u8]>> = t.drain(..).map(Some).collect();
     for &i in &order {
@@ -372,46 +387,42 @@ fn apply_buffers<'py>(
     outcome_dict(py, &outcome)
 }
 
-/// Tensor digests given in the caller's order, put in canonical order.
-/// The base digests as given (bytes, borrowed: a `Vec<u8>` would be
-/// extracted one int at a time), in the layout's order.
-fn known_digests(digests: Option<Vec<PyBackedBytes>>, order: &[usize]) -> PyResult<Option<Vec<dcr_core::checkpoint::Digest>>> {
-    let Some(d) = digests else { return Ok(None) };
-    if d.len() != order.len() {
-        return Err(pyo3::exceptions::PyValueError::new_err(format!("{} base digests for {} tensors", d.len(), order.len())));
-    }
-    let d = d
-        .iter()
-        .map(|x| (**x).try_into().map_err(|_| pyo3::exceptions::PyValueError::new_err(format!("a tensor digest is 16 bytes, got {}", x.len()))))
-        .collect::<PyResult<Vec<dcr_core::checkpoint::Digest>>>()?;
-    Ok(Some(order.iter().map(|&i| d[i]).collect()))
+/// A state dict's layout, its order (see `layout_of_specs`) and its
+/// tensors' bytes in the layout's order, each checked against its size.
+struct SortedTensors<'a> {
+    layout: Layout,
+    order: Vec<usize>,
+    bytes: Vec<&'a [u8]>,
 }
 
-/// Digest (16 bytes) of each tensor buffer, in the given order.
+fn sorted_slices<'a>(sd: &'a mut tensors::StateDict<'_>) -> PyResult<SortedTensors<'a>> {
+    let (layout, order) = layout_of_specs(std::mem::take(&mut sd.specs))?;
+    check_spans(&sd.spans, false)?;
+    let s = slices(&sd.spans);
+    let bytes: Vec<&[u8]> = order.iter().map(|&i| s[i]).collect();
+    layout.check_buffers(bytes.iter().map(|b| b.len())).map_err(to_py)?;
+    Ok(SortedTensors { layout, order, bytes })
+}
+
+/// Each tensor's digest (16 bytes), by name.
 #[pyfunction]
-fn tensor_digest_buffers(py: Python<'_>, names: Vec<String>, dtypes: Vec<String>, shapes: Vec<Vec<u64>>, bufs: Vec<Span>) -> PyResult<Vec<Vec<u8>>> {
-    let (layout, order) = layout_of(names, dtypes, shapes)?;
-    check_spans(&bufs, false)?;
-    let s = slices(&bufs);
-    let sorted: Vec<&[u8]> = order.iter().map(|&i| s[i]).collect();
-    layout.check_buffers(sorted.iter().map(|b| b.len())).map_err(to_py)?;
-    let d = py.detach(|| layout.tensor_digests(&sorted));
-    let mut out = vec![Vec::new(); d.len()];
+fn tensor_digests<'py>(py: Python<'py>, tensors: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
+    let mut sd = tensors::describe(tensors, false)?;
+    let SortedTensors { layout, order, bytes } = sorted_slices(&mut sd)?;
+    let d = py.detach(|| layout.tensor_digests(&bytes));
+    let out = PyDict::new(py);
     for (k, &i) in order.iter().enumerate() {
-        out[i] = d[k].to_vec();
+        out.set_item(&sd.names[i], PyBytes::new(py, &d[k]))?;
     }
     Ok(out)
 }
 
-/// Checkpoint digest (hex) of a list of tensor buffers.
+/// Checkpoint digest (hex) of a state dict.
 #[pyfunction]
-fn digest_buffers(py: Python<'_>, names: Vec<String>, dtypes: Vec<String>, shapes: Vec<Vec<u64>>, bufs: Vec<Span>) -> PyResult<String> {
-    let (layout, order) = layout_of(names, dtypes, shapes)?;
-    check_spans(&bufs, false)?;
-    let s = slices(&bufs);
-    let s: Vec<&[u8]> = order.iter().map(|&i| s[i]).collect();
-    layout.check_buffers(s.iter().map(|b| b.len())).map_err(to_py)?;
-    Ok(py.detach(|| digest_hex(&layout.checkpoint_digest(&layout.tensor_digests(&s)))))
+fn digest_tensors(py: Python<'_>, tensors: &Bound<'_, PyAny>) -> PyResult<String> {
+    let mut sd = tensors::describe(tensors, false)?;
+    let SortedTensors { layout, bytes, .. } = sorted_slices(&mut sd)?;
+    Ok(py.detach(|| digest_hex(&layout.checkpoint_digest(&layout.tensor_digests(&bytes)))))
 }
 
 /// The CPU reference of the GPU diff kernel: changed positions (uint32 LE
@@ -863,10 +874,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(inspect_file, m)?)?;
     m.add_function(wrap_pyfunction!(file_digest, m)?)?;
     m.add_function(wrap_pyfunction!(checkpoint_files, m)?)?;
-    m.add_function(wrap_pyfunction!(diff_buffers, m)?)?;
-    m.add_function(wrap_pyfunction!(apply_buffers, m)?)?;
-    m.add_function(wrap_pyfunction!(digest_buffers, m)?)?;
-    m.add_function(wrap_pyfunction!(tensor_digest_buffers, m)?)?;
+    m.add_function(wrap_pyfunction!(diff_tensors, m)?)?;
+    m.add_function(wrap_pyfunction!(apply_tensors, m)?)?;
+    m.add_function(wrap_pyfunction!(digest_tensors, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor_digests, m)?)?;
     m.add_function(wrap_pyfunction!(find_changes, m)?)?;
     m.add_function(wrap_pyfunction!(apply_changes, m)?)?;
     m.add_function(wrap_pyfunction!(refit_file, m)?)?;
