@@ -174,6 +174,24 @@ pub fn diff_from(
     sink: &mut dyn FnMut(&[u8]) -> Result<()>,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<DeltaStats> {
+    diff_from_announced(layout, old, new, base_digests, opts, &mut |_| Ok(()), sink, progress)
+}
+
+/// [`diff_from`] that tells `announce` the delta's length in bytes before
+/// the sink gets any, where it is known by then: where the first pass kept
+/// every encoded chunk (see [`DiffOptions::keep_bytes`]), so that a caller
+/// can make room for the whole delta once and have it written there.
+#[allow(clippy::too_many_arguments)]
+pub fn diff_from_announced(
+    layout: &Layout,
+    old: &[&[u8]],
+    new: &[&[u8]],
+    base_digests: Option<&[Digest]>,
+    opts: &DiffOptions,
+    announce: &mut dyn FnMut(u64) -> Result<()>,
+    sink: &mut dyn FnMut(&[u8]) -> Result<()>,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<DeltaStats> {
     if opts.chunk_bytes == 0 || opts.chunk_bytes > format::MAX_CHUNK_BYTES {
         return Err(Error::Invalid(format!("chunk size must be 1..={} bytes, got {}", format::MAX_CHUNK_BYTES, opts.chunk_bytes)));
     }
@@ -261,8 +279,23 @@ pub fn diff_from(
         stats.delta_bytes += bytes.len() as u64;
         sink(bytes)
     };
+    let header_frame = header.to_frame();
+    if !opts.dense && kept.iter().all(|k| matches!(k, Found::Encoded(_))) {
+        // Every frame is known: the preamble, the header, the chunks in
+        // order, the trailer (its fields are fixed-size).
+        let mut seq = 0u32;
+        let mut chunks = 0u64;
+        for (u, k) in units.iter().zip(&kept) {
+            if let Found::Encoded(Some(c)) = k {
+                chunks += ChunkFrame { delta_tag: 0, seq, tensor: u.tensor as u32, start: u.start, len: u.len as u32, kind: opts.kind, encoding: c.encoding, mode: c.mode, n_changed: c.n_changed, payload: c.payload.as_slice() }.frame_len() as u64;
+                seq = seq.wrapping_add(1);
+            }
+        }
+        let trailer = Trailer { delta_tag: 0, n_chunks: 0, n_changed: 0, tensor_digests: vec![ANY_BASE; layout.len()] }.to_frame().len();
+        announce(format::PREAMBLE_LEN as u64 + header_frame.len() as u64 + chunks + trailer as u64)?;
+    }
     emit(&format::preamble(), &mut stats)?;
-    emit(&header.to_frame(), &mut stats)?;
+    emit(&header_frame, &mut stats)?;
 
     // Pass 2: encode what pass 1 did not, in batches, frames out in order.
     let mut done_bytes = 0u64;

@@ -1,6 +1,6 @@
 use dcr_core::checkpoint::{Layout, TensorSpec};
 use dcr_core::codec::{ChangeKind, Mode};
-use dcr_core::delta::{apply, diff, read_delta, read_header, ApplyOutcome, DiffOptions};
+use dcr_core::delta::{apply, diff, diff_from_announced, read_delta, read_header, ApplyOutcome, DiffOptions};
 use dcr_core::dtype::DType;
 use dcr_core::Error;
 use proptest::prelude::*;
@@ -81,10 +81,22 @@ proptest! {
         let all = encode(&p, &DiffOptions { chunk_bytes: 64, mode, ..Default::default() });
         let old: Vec<&[u8]> = p.old.iter().map(|v| v.as_slice()).collect();
         let new: Vec<&[u8]> = p.new.iter().map(|v| v.as_slice()).collect();
-        let (mut some, mut seen) = (Vec::new(), Vec::new());
+        let (some, mut seen) = (std::cell::RefCell::new(Vec::new()), Vec::new());
         let opts = DiffOptions { chunk_bytes: 64, mode, keep_bytes: keep, ..Default::default() };
-        diff(&p.layout, &old, &new, &opts, &mut |b| { some.extend_from_slice(b); Ok(()) }, &mut |done, total| seen.push((done, total))).unwrap();
+        // The length, where announced, comes before the first byte and is the delta's.
+        let mut announced = None;
+        diff_from_announced(&p.layout, &old, &new, None, &opts, &mut |len| {
+            assert!(some.borrow().is_empty() && announced.is_none());
+            announced = Some(len);
+            Ok(())
+        }, &mut |b| { some.borrow_mut().extend_from_slice(b); Ok(()) }, &mut |done, total| seen.push((done, total))).unwrap();
+        let some = some.into_inner();
         prop_assert_eq!(&some, &all);
+        prop_assert!(announced.is_none_or(|len| len == all.len() as u64));
+        // Every chunk is kept between the passes by default, so the length is known.
+        let mut by_default = None;
+        diff_from_announced(&p.layout, &old, &new, None, &DiffOptions { chunk_bytes: 64, mode, ..Default::default() }, &mut |len| { by_default = Some(len); Ok(()) }, &mut |_| Ok(()), &mut |_, _| {}).unwrap();
+        prop_assert_eq!(by_default, Some(all.len() as u64));
         // Progress only moves forward and ends at the checkpoint's bytes.
         let total = p.layout.total_bytes();
         prop_assert!(seen.windows(2).all(|w| w[0].0 <= w[1].0));

@@ -303,9 +303,6 @@ fn layout_of_specs(specs: Vec<TensorSpec>) -> PyResult<(Layout, Vec<usize>)> {
     Ok((layout, order))
 }
 
-/// The size of the delta `diff_tensors` built last.
-static LAST_DELTA_BYTES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
 /// A described state dict's layout, its order (see `layout_of_specs`) and
 /// the base digests the caller holds for it, in the layout's order.
 fn layout_and_digests(sd: &mut tensors::StateDict<'_>, base_digests: Option<&Bound<'_, PyAny>>) -> PyResult<(Layout, Vec<usize>, Option<Vec<dcr_core::checkpoint::Digest>>)> {
@@ -348,18 +345,68 @@ fn diff_tensors<'py>(
     let o: Vec<&[u8]> = order.iter().map(|&i| o[i]).collect();
     let n: Vec<&[u8]> = order.iter().map(|&i| n[i]).collect();
     let (bytes, stats) = run_detached(py, threads, || {
-        // Room for what the last diff wrote and a quarter more (at most
-        // this checkpoint's size): a refit's deltas are alike in size from
-        // step to step, and a buffer grown from empty copied itself about
-        // once over on the way.
-        let hint = LAST_DELTA_BYTES.load(std::sync::atomic::Ordering::Relaxed).saturating_mul(5) / 4;
-        let mut out = Vec::with_capacity(hint.min(usize::try_from(layout.total_bytes()).unwrap_or(usize::MAX)));
-        let s = delta::diff_from(&layout, &o, &n, known.as_deref(), &opts, &mut |b| { out.extend_from_slice(b); Ok(()) }, &mut |_, _| {})?;
-        LAST_DELTA_BYTES.store(out.len(), std::sync::atomic::Ordering::Relaxed);
-        Ok((out, s))
+        let out = std::cell::RefCell::new(DeltaBytes::Growing(Vec::new()));
+        let s = delta::diff_from_announced(&layout, &o, &n, known.as_deref(), &opts, &mut |len| out.borrow_mut().announce(len), &mut |b| out.borrow_mut().put(b), &mut |_, _| {})?;
+        Ok((out.into_inner(), s))
     })?
     .map_err(to_py)?;
-    Ok((PyBytes::new(py, &bytes), stats_dict(py, &stats)?))
+    Ok((bytes.finish(py)?, stats_dict(py, &stats)?))
+}
+
+/// Where `diff_tensors` writes a delta: straight into the Python `bytes`
+/// it returns where the diff announces the delta's length first (a copy
+/// of the delta less), else into a buffer copied into one at the end.
+enum DeltaBytes {
+    Growing(Vec<u8>),
+    InPlace { bytes: Py<PyBytes>, at: usize, len: usize },
+}
+
+impl DeltaBytes {
+    fn announce(&mut self, len: u64) -> dcr_core::Result<()> {
+        let len = usize::try_from(len).map_err(|_| dcr_core::Error::Invalid(format!("a delta of {len} bytes does not fit in memory")))?;
+        let bytes = Python::attach(|py| -> PyResult<Py<PyBytes>> {
+            let size = pyo3::ffi::Py_ssize_t::try_from(len).map_err(|_| pyo3::exceptions::PyMemoryError::new_err(format!("{len} bytes")))?;
+            // Safety: a null source asks for a new bytes object of `size`
+            // uninitialised bytes (`finish` hands it out only once they
+            // have all been written).
+            #[allow(unsafe_code)]
+            let obj = unsafe { Bound::from_owned_ptr_or_err(py, pyo3::ffi::PyBytes_FromStringAndSize(std::ptr::null(), size))? };
+            Ok(obj.cast_into::<PyBytes>()?.unbind())
+        })
+        .map_err(|e| dcr_core::Error::Invalid(format!("cannot make room for the delta: {e}")))?;
+        *self = DeltaBytes::InPlace { bytes, at: 0, len };
+        Ok(())
+    }
+
+    fn put(&mut self, b: &[u8]) -> dcr_core::Result<()> {
+        match self {
+            DeltaBytes::Growing(v) => v.extend_from_slice(b),
+            DeltaBytes::InPlace { bytes, at, len } => {
+                if b.len() > *len - *at {
+                    return Err(dcr_core::Error::Invalid(format!("the delta outgrew the {len} bytes announced")));
+                }
+                // Safety: the object is this writer's alone until `finish`
+                // (no other reference exists, so no other thread reads it
+                // while the GIL is released), and `at + b.len() <= len`,
+                // its size.
+                #[allow(unsafe_code)]
+                unsafe {
+                    let dst = pyo3::ffi::PyBytes_AsString(bytes.as_ptr()).cast::<u8>().add(*at);
+                    std::ptr::copy_nonoverlapping(b.as_ptr(), dst, b.len());
+                }
+                *at += b.len();
+            }
+        }
+        Ok(())
+    }
+
+    fn finish(self, py: Python<'_>) -> PyResult<Bound<'_, PyBytes>> {
+        match self {
+            DeltaBytes::Growing(v) => Ok(PyBytes::new(py, &v)),
+            DeltaBytes::InPlace { bytes, at, len } if at == len => Ok(bytes.into_bound(py)),
+            DeltaBytes::InPlace { at, len, .. } => Err(pyo3::exceptions::PyRuntimeError::new_err(format!("the delta came to {at} bytes, not the {len} announced"))),
+        }
+    }
 }
 
 /// Apply delta bytes in place to a state dict of writable tensors.
