@@ -423,13 +423,22 @@ fn gap_bytes_could_beat(gaps: &[u32], bytes: usize) -> bool {
         return false;
     }
     let stride = (gaps.len() / 1024).clamp(1, 8);
-    // Two sets of counts, so that a run of one gap waits less on itself.
-    let mut sets = [[0u32; 256]; 2];
-    for pair in gaps.chunks_exact(2 * stride) {
+    // Four sets of counts, so that a run of one gap waits less on itself
+    // (the common small gaps repeat: with two sets the estimate took 2.6 %
+    // of the free diff at fp32m 10->15).
+    let mut sets = [[0u32; 256]; 4];
+    let mut quads = gaps.chunks_exact(4 * stride);
+    for quad in &mut quads {
+        for (k, set) in sets.iter_mut().enumerate() {
+            set[quad[k * stride].min(255) as usize] += 1;
+        }
+    }
+    // The samples of a last part too short for four (two of them at most).
+    for pair in quads.remainder().chunks_exact(2 * stride) {
         sets[0][pair[0].min(255) as usize] += 1;
         sets[1][pair[stride].min(255) as usize] += 1;
     }
-    let mut weights: Vec<u64> = sets[0].iter().zip(&sets[1]).map(|(&a, &b)| u64::from(a + b)).filter(|&c| c > 0).collect();
+    let mut weights: Vec<u64> = (0..256).map(|v| u64::from(sets[0][v] + sets[1][v] + sets[2][v] + sets[3][v])).filter(|&c| c > 0).collect();
     weights.sort_unstable();
     let sampled: u64 = weights.iter().sum();
     let symbols = weights.len() as f64;
