@@ -148,7 +148,7 @@ fn frame_built(tag: u8, body_len: usize, put_body: impl FnOnce(&mut Vec<u8>)) ->
     out.extend_from_slice(&(body_len as u32).to_le_bytes());
     put_body(&mut out);
     assert_eq!(out.len(), 5 + body_len, "a frame body of the length announced");
-    let crc = crc32c::crc32c(&out);
+    let crc = crate::checksum::crc32c(&out);
     out.extend_from_slice(&crc.to_le_bytes());
     out
 }
@@ -246,7 +246,7 @@ impl<P: AsRef<[u8]>> ChunkFrame<P> {
         head.push(TAG_CHUNK);
         head.extend_from_slice(&((self.frame_len() - FRAME_OVERHEAD) as u32).to_le_bytes());
         self.put_fields(&mut head);
-        let crc = crc32c::crc32c_append(crc32c::crc32c(&head), self.payload.as_ref());
+        let crc = crate::checksum::crc32c_append(crate::checksum::crc32c(&head), self.payload.as_ref());
         (head, self.payload.as_ref(), crc.to_le_bytes())
     }
 
@@ -384,7 +384,7 @@ pub fn parse_frame_in(buf: &[u8]) -> Result<Option<FrameIn<'_>>> {
         return Ok(None);
     }
     let stored = u32::from_le_bytes(buf[5 + body_len..total].try_into().expect("4"));
-    let computed = crc32c::crc32c(&buf[..5 + body_len]);
+    let computed = crate::checksum::crc32c(&buf[..5 + body_len]);
     let body = &buf[5..5 + body_len];
     if stored != computed {
         let context = match tag {

@@ -10,6 +10,7 @@
 #![deny(unsafe_code)]
 
 pub mod checkpoint;
+pub mod checksum;
 pub mod codec;
 pub mod commit;
 pub mod delta;

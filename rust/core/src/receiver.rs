@@ -208,7 +208,7 @@ fn undo_header(delta_id: &Digest) -> [u8; UNDO_HEADER_LEN] {
     h[..8].copy_from_slice(&UNDO_MAGIC);
     h[8..10].copy_from_slice(&UNDO_VERSION.to_le_bytes());
     h[12..28].copy_from_slice(delta_id);
-    let crc = crc32c::crc32c(&h[..28]);
+    let crc = crate::checksum::crc32c(&h[..28]);
     h[28..].copy_from_slice(&crc.to_le_bytes());
     h
 }
@@ -244,7 +244,7 @@ fn scan_undo(path: &Path, bytes: Vec<u8>, delta_id: &Digest) -> Result<UndoScan>
         return Err(Error::JournalVersion { path: path.to_path_buf(), found: version, supported: UNDO_VERSION });
     }
     let crc = u32::from_le_bytes(bytes[28..32].try_into().expect("4"));
-    if crc != crc32c::crc32c(&bytes[..28]) {
+    if crc != crate::checksum::crc32c(&bytes[..28]) {
         return Err(undo_corrupt(path, 28, "the header checksum does not match".into()));
     }
     if &bytes[12..28] != delta_id {
@@ -270,7 +270,7 @@ fn scan_undo(path: &Path, bytes: Vec<u8>, delta_id: &Digest) -> Result<UndoScan>
             break;
         };
         let crc = u32::from_le_bytes(bytes[end..end + 4].try_into().expect("4"));
-        if crc != crc32c::crc32c(&bytes[pos..end]) {
+        if crc != crate::checksum::crc32c(&bytes[pos..end]) {
             break;
         }
         entries.entry(seq).or_insert(pos + 8..end);
@@ -337,7 +337,7 @@ impl<I: JournalIo> UndoLog<I> {
             buf.extend_from_slice(&seq.to_le_bytes());
             buf.extend_from_slice(&(pre.len() as u32).to_le_bytes());
             buf.extend_from_slice(pre);
-            let crc = crc32c::crc32c(&buf[start..]);
+            let crc = crate::checksum::crc32c(&buf[start..]);
             buf.extend_from_slice(&crc.to_le_bytes());
         }
         if let Err(e) = self.file.write_at(self.end, &buf) {
@@ -1311,7 +1311,7 @@ mod tests {
             b.extend_from_slice(&seq.to_le_bytes());
             b.extend_from_slice(&(pre.len() as u32).to_le_bytes());
             b.extend_from_slice(&pre);
-            let crc = crc32c::crc32c(&b[start..]);
+            let crc = crate::checksum::crc32c(&b[start..]);
             b.extend_from_slice(&crc.to_le_bytes());
         }
         let full = b.len();

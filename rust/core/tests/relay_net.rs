@@ -267,7 +267,7 @@ fn dense_frames_of_4_mib_with_spill_and_bounded_memory() {
         r.unwrap();
         assert_eq!(seen.chunks.len(), n as usize);
         for (i, (seq, crc)) in seen.chunks.iter().enumerate() {
-            assert_eq!((*seq, *crc), (i as u32, crc32c::crc32c(&big(i as u32))));
+            assert_eq!((*seq, *crc), (i as u32, dcr_core::checksum::crc32c(&big(i as u32))));
         }
         sub.unwrap()
             .ack([1; 16], true, "", Duration::from_secs(10))
@@ -382,7 +382,7 @@ fn corrupted_bytes_are_detected_and_refetched_from_another_parent() {
     for (i, (seq, crc)) in seen.chunks.iter().enumerate() {
         assert_eq!(
             (*seq, *crc),
-            (i as u32, crc32c::crc32c(&chunk(i as u32, 10_000)))
+            (i as u32, dcr_core::checksum::crc32c(&chunk(i as u32, 10_000)))
         );
     }
 }

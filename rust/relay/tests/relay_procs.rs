@@ -147,7 +147,7 @@ fn expected(n: u32, header: &[u8], trailer: &[u8]) -> Seen {
     (
         header.to_vec(),
         (0..n)
-            .map(|i| (i, crc32c::crc32c(&chunk(i, len_of(i)))))
+            .map(|i| (i, dcr_core::checksum::crc32c(&chunk(i, len_of(i)))))
             .collect(),
         Some((n, trailer.to_vec())),
     )
@@ -174,7 +174,7 @@ fn spawn_sub(cfg: SubscribeConfig, gate: Option<Arc<dyn Fn(u32) + Send + Sync>>)
                 if let Some(g) = &gate {
                     g(seq);
                 }
-                b.lock().unwrap().1.push((seq, crc32c::crc32c(blob)));
+                b.lock().unwrap().1.push((seq, dcr_core::checksum::crc32c(blob)));
                 let _ = ptx.send(seq);
                 Ok(())
             },
@@ -507,7 +507,7 @@ fn corrupting_relay_detected_and_data_refetched_from_another_parent() {
     assert_eq!(
         seen.1,
         (0..n)
-            .map(|i| (i, crc32c::crc32c(&chunk(i, sizes))))
+            .map(|i| (i, dcr_core::checksum::crc32c(&chunk(i, sizes))))
             .collect::<Vec<_>>()
     );
 }
@@ -550,7 +550,7 @@ fn rate_limited_dense_stream_with_spill() {
     assert_eq!(
         seen.1,
         (0..n)
-            .map(|i| (i, crc32c::crc32c(&big(i))))
+            .map(|i| (i, dcr_core::checksum::crc32c(&big(i))))
             .collect::<Vec<_>>()
     );
     sub.unwrap()

@@ -84,7 +84,7 @@ pub fn encode_header() -> [u8; HEADER_LEN] {
     h[..8].copy_from_slice(&MAGIC);
     h[8..10].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
     // h[10..12]: flags, zero in version 1.
-    let crc = crc32c::crc32c(&h[..12]);
+    let crc = crate::checksum::crc32c(&h[..12]);
     h[12..].copy_from_slice(&crc.to_le_bytes());
     h
 }
@@ -117,7 +117,7 @@ pub fn check_header(path: &Path, bytes: &[u8]) -> Result<()> {
         return Err(Error::JournalVersion { path: path.to_path_buf(), found: version, supported: FORMAT_VERSION });
     }
     let stored = u32_at(bytes, 12);
-    let computed = crc32c::crc32c(&bytes[..12]);
+    let computed = crate::checksum::crc32c(&bytes[..12]);
     if stored != computed {
         return Err(corrupt(
             path,
@@ -144,7 +144,7 @@ fn encode_batch<P: AsRef<[u8]>>(out: &mut Vec<u8>, payloads: &[P], last: [u8; 4]
         let start = out.len();
         out.extend_from_slice(&(p.len() as u32).to_le_bytes());
         out.extend_from_slice(p);
-        let crc = crc32c::crc32c(&out[start..]);
+        let crc = crate::checksum::crc32c(&out[start..]);
         out.extend_from_slice(&crc.to_le_bytes());
         out.extend_from_slice(if i + 1 == payloads.len() { &last } else { &MARK_CONTINUE });
     }
@@ -201,7 +201,7 @@ pub fn scan(path: &Path, bytes: &[u8]) -> Result<Scan> {
             break Some("a record has no commit marker");
         }
         let stored = u32_at(bytes, body_end);
-        let computed = crc32c::crc32c(&bytes[pos..body_end]);
+        let computed = crate::checksum::crc32c(&bytes[pos..body_end]);
         if stored != computed && suspect.is_none() {
             suspect = Some((
                 pos,

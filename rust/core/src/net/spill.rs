@@ -49,7 +49,7 @@ impl Spill for FileSpill {
             version,
             offset: *end,
             len: data.len() as u32,
-            crc: crc32c::crc32c(data),
+            crc: crate::checksum::crc32c(data),
         };
         *end += data.len() as u64;
         Ok(r)

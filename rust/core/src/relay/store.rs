@@ -47,7 +47,7 @@ impl Spill for MemSpill {
             version,
             offset: f.len() as u64,
             len: data.len() as u32,
-            crc: crc32c::crc32c(data),
+            crc: crate::checksum::crc32c(data),
         };
         f.extend_from_slice(data);
         self.bytes += data.len();
@@ -263,7 +263,7 @@ impl Store {
                 let same = match slot {
                     Slot::Mem(b) => *b == blob,
                     Slot::Spilled(r) => {
-                        r.len as usize == blob.len() && r.crc == crc32c::crc32c(&blob)
+                        r.len as usize == blob.len() && r.crc == crate::checksum::crc32c(&blob)
                     }
                     Slot::Evicted => true, // cannot check; the original was delivered already
                 };
@@ -403,7 +403,7 @@ impl Store {
                 let r = *r;
                 let sp = self.spill.as_mut().expect("spilled implies a spill");
                 match sp.get(&r) {
-                    Ok(d) if crc32c::crc32c(&d) == r.crc => Get::Ready(Bytes::from(d)),
+                    Ok(d) if crate::checksum::crc32c(&d) == r.crc => Get::Ready(Bytes::from(d)),
                     Ok(_) => Get::Gone(format!("spilled chunk {seq} of version {version} failed its checksum on read")),
                     Err(e) => Get::Gone(format!("reading spilled chunk {seq} of version {version}: {e}")),
                 }

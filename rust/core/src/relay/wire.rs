@@ -287,7 +287,7 @@ impl Message {
             Message::Heartbeat => out.put_u8(kind::HEARTBEAT),
         }
         let body_len = out.len() - start - 4;
-        let crc = crc32c::crc32c(&out[start + 4..]);
+        let crc = crate::checksum::crc32c(&out[start + 4..]);
         out[start..start + 4].copy_from_slice(&(body_len as u32).to_le_bytes());
         out.put_u32_le(crc);
     }
@@ -370,7 +370,7 @@ impl Message {
         head.truncate(head.len() - 4); // drop the CRC of the blob-less frame
         let body_len = head.len() - 4 + blob.len();
         head[0..4].copy_from_slice(&(body_len as u32).to_le_bytes());
-        let crc = crc32c::crc32c_append(crc32c::crc32c(&head[4..]), blob);
+        let crc = crate::checksum::crc32c_append(crate::checksum::crc32c(&head[4..]), blob);
         Parts {
             head: head.freeze(),
             blob: blob.clone(),
@@ -424,7 +424,7 @@ pub fn decode(buf: &mut BytesMut, max_frame: usize) -> Result<Option<Message>> {
         return Ok(None);
     }
     let expected = u32::from_le_bytes(buf[4 + len..total].try_into().expect("4 bytes"));
-    let found = crc32c::crc32c(&buf[4..4 + len]);
+    let found = crate::checksum::crc32c(&buf[4..4 + len]);
     if expected != found {
         return Err(Error::MessageChecksum { expected, found });
     }
@@ -805,7 +805,7 @@ mod tests {
         let mut out = BytesMut::new();
         out.put_u32_le(body.len() as u32);
         out.put_slice(body);
-        out.put_u32_le(crc32c::crc32c(body));
+        out.put_u32_le(crate::checksum::crc32c(body));
         out
     }
 

@@ -126,7 +126,7 @@ pub fn expected(n: u32, header: &[u8], trailer: &[u8]) -> Seen {
     Seen {
         header: header.to_vec(),
         chunks: (0..n)
-            .map(|i| (i, crc32c::crc32c(&chunk(i, chunk_len(i)))))
+            .map(|i| (i, dcr_core::checksum::crc32c(&chunk(i, chunk_len(i)))))
             .collect(),
         end: Some((n, trailer.to_vec())),
     }
@@ -160,7 +160,7 @@ pub fn spawn_sub(cfg: SubscribeConfig, gate: Option<Arc<dyn Fn(u32) + Send + Syn
                 if let Some(g) = &gate {
                     g(seq);
                 }
-                s2.lock().unwrap().chunks.push((seq, crc32c::crc32c(b)));
+                s2.lock().unwrap().chunks.push((seq, dcr_core::checksum::crc32c(b)));
                 let _ = ptx.send(seq);
                 Ok(())
             },
