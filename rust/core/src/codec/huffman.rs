@@ -53,12 +53,15 @@ const WEIGHT_SYMBOLS: usize = MAX_CODE_BITS + 1;
 pub(super) fn frame(data: &[u8]) -> Option<Vec<u8>> {
     let code = Code::new(&histogram(data))?;
     let tree = code.description()?;
-    let mut out = Vec::with_capacity(data.len() / 2 + 64);
+    // Room for the streams as `put_stream` writes them (every code at the
+    // longest length, plus slack), so that the frame never grows: each
+    // growth copied what was written so far.
+    let blocks = data.len().div_ceil(BLOCK_MAX);
+    let mut out = Vec::with_capacity(data.len() * MAX_CODE_BITS / 8 + tree.len() + 96 * blocks.max(1) + 16);
     // Frame header descriptor: no content size, not single-segment, no
     // checksum, no dictionary; then the window, at least the largest block.
     out.push(0);
     out.push(window_descriptor(data.len().min(BLOCK_MAX)));
-    let blocks = data.len().div_ceil(BLOCK_MAX);
     for (b, block) in data.chunks(BLOCK_MAX).enumerate() {
         let header_at = out.len();
         out.extend_from_slice(&[0; 3]);

@@ -210,6 +210,14 @@ impl RiceWriter {
         RiceWriter { lows: BitWriter::new(), unary: Vec::new(), unary_bits: 0 }
     }
 
+    /// A writer with room for codes of `low_bits` low-part bits and
+    /// `unary_bits` unary bits before it grows.
+    pub(super) fn with_capacity(low_bits: u64, unary_bits: u64) -> Self {
+        // (The vector kernels ask for 16 bytes of slack past the codes.)
+        let lows = BitWriter::with_capacity(usize::try_from(low_bits.div_ceil(8) + 16).unwrap_or(0));
+        RiceWriter { lows, unary: Vec::with_capacity(usize::try_from(unary_bits.div_ceil(64) + 1).unwrap_or(0)), unary_bits: 0 }
+    }
+
     /// Append one list's gaps with parameter `k < 32`, `bits` their codes'
     /// bits (as `best_rice_parameter` counts them).
     pub(super) fn put_gaps(&mut self, gaps: &[u32], k: u32, bits: u64) {
