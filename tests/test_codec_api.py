@@ -177,6 +177,23 @@ def test_torch_state_dicts_of_every_kind_are_read_in_place():
 
     with pytest.raises(ValueError, match="'v' is not contiguous"):
         dcr.diff_tensors({"v": torch.zeros(4, 4)[:, 1]}, {"v": torch.zeros(4)})
+    # Views whose memory holds other bits than their values are refused.
+    c = torch.randn(4, dtype=torch.complex64, generator=gen)
+    with pytest.raises(ValueError, match="'c' is a lazily conjugated view"):
+        dcr.diff_tensors({"c": c.conj()}, {"c": c})
+    n = torch.randn(4, generator=gen)
+    with pytest.raises(ValueError, match="'n' is a lazily negated view"):
+        dcr.tensor_digests({"n": torch._neg_view(n)})
+    target_n = {"n": torch._neg_view(n.clone())}
+    delta_n, _ = dcr.diff_tensors({"n": n}, {"n": n + 1})
+    with pytest.raises(ValueError, match="negated"):
+        dcr.apply_tensors(delta_n, target_n)
+    assert torch.equal(target_n["n"], -n)  # untouched
+    # Plain complex tensors (read through span_of) round-trip.
+    target_c = {"c": c.clone()}
+    delta_c, _ = dcr.diff_tensors({"c": c}, {"c": c * 2})
+    dcr.apply_tensors(delta_c, target_c)
+    assert torch.equal(target_c["c"].view(torch.int64), (c * 2).view(torch.int64))
     with pytest.raises(TypeError, match="tensor names must be str"):
         dcr.tensor_digests({3: torch.zeros(2)})
     with pytest.raises(TypeError, match="cannot store"):

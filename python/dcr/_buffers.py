@@ -87,6 +87,12 @@ def span_of(name: str, x: Any, *, writable: bool = False) -> Span:
             )
         if not x.is_contiguous():
             raise ValueError(f"tensor {name!r} is not contiguous; pass t.contiguous()")
+        if x.is_conj() or x.is_neg():
+            view = "conjugated" if x.is_conj() else "negated"
+            raise ValueError(
+                f"tensor {name!r} is a lazily {view} view: its memory holds other bits than its values; "
+                "pass t.resolve_conj().resolve_neg()"
+            )
         dtype_name = _torch_dtype_name(x.dtype)
         if dtype_name is None:
             raise TypeError(f"tensor {name!r} has dtype {x.dtype}, which safetensors cannot store")

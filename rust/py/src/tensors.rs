@@ -122,8 +122,8 @@ fn each_tensor<'py>(
 
 /// A plain contiguous CPU tensor's dtype, shape, data pointer and byte
 /// length; `None` for anything `span_of` must look at (another device, a
-/// strided view, a leaf that needs grad where it will be written, a dtype
-/// that safetensors cannot store).
+/// strided view, a leaf that needs grad where it will be written, a lazy
+/// negated or conjugated view, a dtype that safetensors cannot store).
 fn torch_span(x: &Bound<'_, PyAny>, writable: bool) -> PyResult<Option<(DType, Vec<u64>, Span)>> {
     let py = x.py();
     if !x.getattr(intern!(py, "is_cpu"))?.is_truthy()? || !x.call_method0(intern!(py, "is_contiguous"))?.is_truthy()? {
@@ -132,7 +132,15 @@ fn torch_span(x: &Bound<'_, PyAny>, writable: bool) -> PyResult<Option<(DType, V
     if writable && x.getattr(intern!(py, "requires_grad"))?.is_truthy()? {
         return Ok(None);
     }
+    // A lazily negated view's memory holds the other bits (as does a
+    // conjugated one's, which only complex tensors can be).
+    if x.call_method0(intern!(py, "is_neg"))?.is_truthy()? {
+        return Ok(None);
+    }
     let Some(dtype) = torch_dtype(&x.getattr(intern!(py, "dtype"))?)? else { return Ok(None) };
+    if dtype.name() == "C64" {
+        return Ok(None);
+    }
     let shape: Vec<u64> = x.getattr(intern!(py, "shape"))?.extract()?;
     let ptr: usize = x.call_method0(intern!(py, "data_ptr"))?.extract()?;
     // A contiguous tensor's bytes: its elements times their width.
