@@ -315,9 +315,10 @@ fn put_planes(out: &mut Vec<u8>, planes: &[Vec<u8>], level: i32) {
     }
 }
 
-/// A sparse payload's position streams (its planes follow).
-fn sparse_positions(positions: &[u32], level: i32) -> Vec<u8> {
-    let (gaps, overflow) = gap_streams(positions);
+/// A sparse payload's position streams (its planes follow), from the
+/// changes' gaps (`position - previous - 1`, the first previous -1).
+fn sparse_positions(gaps: &[u32], level: i32) -> Vec<u8> {
+    let (gaps, overflow) = gap_streams(gaps);
     let mut out = Vec::new();
     put_symbols(&mut out, &gaps, level);
     put_stream(&mut out, &overflow, level);
@@ -506,44 +507,46 @@ fn positions_from_rice(codes: &[u8], k: u32, m: usize, n: usize, context: &str) 
     Ok(positions)
 }
 
-/// The gap bytes of ascending positions (gap = elements skipped since the
-/// previous change; 255 escapes to a varint of `gap - 255` in the overflow
-/// stream).
-fn gap_streams(positions: &[u32]) -> (Vec<u8>, Vec<u8>) {
+/// The gap bytes of the changes' gaps (255 escapes to a varint of
+/// `gap - 255` in the overflow stream), made from the gaps the Rice
+/// parameter was chosen on.
+fn gap_streams(gaps: &[u32]) -> (Vec<u8>, Vec<u8>) {
     #[cfg(target_arch = "x86_64")]
     if avx2_available() {
         // Safety: the CPU supports AVX2 (checked just above).
         #[allow(unsafe_code)]
-        return unsafe { gap_streams_avx2(positions) };
+        return unsafe { gap_streams_avx2(gaps) };
     }
-    gap_streams_any(positions)
+    gap_streams_any(gaps)
 }
 
 /// `gap_streams_any` compiled for AVX2, where the compiler vectorises it.
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx2")]
-unsafe fn gap_streams_avx2(positions: &[u32]) -> (Vec<u8>, Vec<u8>) {
-    gap_streams_any(positions)
+unsafe fn gap_streams_avx2(gaps: &[u32]) -> (Vec<u8>, Vec<u8>) {
+    gap_streams_any(gaps)
 }
 
 #[inline(always)]
-fn gap_streams_any(positions: &[u32]) -> (Vec<u8>, Vec<u8>) {
-    let Some(&first) = positions.first() else { return (Vec::new(), Vec::new()) };
-    // Independent differences of neighbours (vectorises), clamped to 255;
-    // the rare escapes are coded in a second pass.
-    let mut gaps = Vec::with_capacity(positions.len());
-    gaps.push(first.min(255) as u8);
-    gaps.extend(positions[1..].iter().zip(positions).map(|(&p, &q)| (p - q - 1).min(255) as u8));
+fn gap_streams_any(gaps: &[u32]) -> (Vec<u8>, Vec<u8>) {
+    // Clamped to 255 (vectorises); the rare escapes are coded in a second
+    // pass.
+    let bytes: Vec<u8> = gaps.iter().map(|&g| g.min(255) as u8).collect();
     let mut overflow = Vec::new();
-    if !gaps.contains(&255) {
-        return (gaps, overflow);
+    if bytes.contains(&255) {
+        // The escapes found 64 at a time as a bit mask (compares), where a
+        // test of every gap in turn took most of this function's time on
+        // the embeddings' chunks (an escape every few dozen gaps).
+        for (block, gaps) in bytes.chunks(64).zip(gaps.chunks(64)) {
+            let mut escapes = block.iter().enumerate().fold(0u64, |m, (i, &b)| m | u64::from(b == 255) << i);
+            while escapes != 0 {
+                put_varint(&mut overflow, u64::from(gaps[escapes.trailing_zeros() as usize] - 255));
+                escapes &= escapes - 1;
+            }
+        }
     }
-    for (i, _) in gaps.iter().enumerate().filter(|(_, &g)| g == 255) {
-        let gap = if i == 0 { first } else { positions[i] - positions[i - 1] - 1 };
-        put_varint(&mut overflow, u64::from(gap - 255));
-    }
-    (gaps, overflow)
+    (bytes, overflow)
 }
 
 /// A bitmap payload's position part (its planes follow).
@@ -746,7 +749,7 @@ fn encode_positions(
             // their Huffman code's size says they could be.
             with_position_gaps(positions, |gaps, (k, bits)| {
                 let rice_len = rice_positions_len(m, k, bits);
-                match gap_bytes_could_beat(gaps, rice_len - rice_len / 100 * gap_bytes_margin_percent(level)).then(|| sparse_positions(positions, level)) {
+                match gap_bytes_could_beat(gaps, rice_len - rice_len / 100 * gap_bytes_margin_percent(level)).then(|| sparse_positions(gaps, level)) {
                     Some(sparse) if sparse.len() < rice_len => (Encoding::Sparse, sparse),
                     _ => (Encoding::Rice, rice_positions(gaps, k, bits)),
                 }

@@ -278,7 +278,7 @@ fn a_few_changes_pick_rice_with_far_gaps() {
         let span = u64::from(*found.positions.last().unwrap()) + 1;
         let gaps = super::position_gaps(&found.positions);
         let (k, bits) = super::rice::best_rice_parameter(&gaps, span, gaps.len() as u64);
-        assert!(super::rice_positions(&gaps, k, bits).len() < super::sparse_positions(&found.positions, 1).len());
+        assert!(super::rice_positions(&gaps, k, bits).len() < super::sparse_positions(&gaps, 1).len());
         let mut t = old.clone();
         apply_chunk(&mut t, 2, kind, c.encoding, c.n_changed, &c.payload, "t").unwrap();
         assert_eq!(t, new);
@@ -667,6 +667,40 @@ fn one_pass_kernels_match_a_word_by_word_compare() {
 
 /// Gap streams (with escapes, out-of-range ends) decoded by the vector
 /// prefix sum and by the portable one: the same positions or the same error.
+#[test]
+fn gap_streams_escape_every_long_gap_wherever_it_falls() {
+    let mut next = xorshift(43);
+    for case in 0..300 {
+        let m = (next() % 400) as usize;
+        // Gaps at and around the escape (254, 255, 256), far ones, runs of
+        // escapes, and stretches with none, across the 64-gap blocks.
+        let gaps: Vec<u32> = (0..m)
+            .map(|i| match next() % 12 {
+                0 => 254,
+                1 => 255,
+                2 => 256,
+                3 => 255 + (next() % 70_000) as u32,
+                4 if case % 2 == 0 && i % 64 > 60 => 1000,
+                _ => (next() % 40) as u32,
+            })
+            .collect();
+        let (bytes, overflow) = super::gap_streams(&gaps);
+        let mut expected = Vec::new();
+        for &g in gaps.iter().filter(|&&g| g >= 255) {
+            streams::put_varint(&mut expected, u64::from(g - 255));
+        }
+        assert_eq!(bytes, gaps.iter().map(|&g| g.min(255) as u8).collect::<Vec<_>>(), "case {case}");
+        assert_eq!(overflow, expected, "case {case}");
+        // And back to the positions they came from.
+        let positions: Vec<u32> = gaps.iter().scan(-1i64, |p, &g| {
+            *p += i64::from(g) + 1;
+            Some(*p as u32)
+        }).collect();
+        let n = positions.last().map_or(0, |&p| p as usize + 1);
+        assert_eq!(positions_from_gaps(&bytes, &overflow, n, "t").unwrap(), positions, "case {case}");
+    }
+}
+
 #[test]
 fn vector_and_portable_gap_decoding_agree() {
     let mut next = xorshift(41);
