@@ -305,8 +305,15 @@ class DcrInMemory:
         return self.dcr.diff_tensors(self.old, self.new, threads=1, mode=self.mode, base_digests=self.digests)
 
     def fresh(self) -> None:
-        """A copy of the base to apply to (untimed)."""
-        self.work = {k: v.clone() for k, v in self.old.items()}
+        """The target back to the base (untimed), in place: a receiver's
+        weights are long-lived buffers that each refit overwrites. Fresh
+        copies (`clone`) made the next apply 0.15-0.2 ms slower at fp32m
+        10->15 than a copy into the same tensors (benches/RESULTS.md,
+        forty-third session)."""
+        if not self.work:
+            self.work = {k: v.clone() for k, v in self.old.items()}
+        for k, v in self.old.items():
+            self.work[k].copy_(v)
 
     def apply(self, delta: bytes) -> None:
         self.dcr.apply_tensors(delta, self.work, threads=1, base_digests=self.digests)
