@@ -66,6 +66,9 @@ REAL_PAIRS = [  # (id, label, directory, old step, new step)
 SYNTHETIC_RATES = [("syn-1pct", 0.01), ("syn-3pct", 0.03), ("syn-5pct", 0.05)]
 ENCODE_TARGET = 4.0  # dcr encode speed / zstd-1 compress speed
 APPLY_TARGET = 6.0   # dcr apply speed / zstd-1 decompress speed
+# Untimed runs of a method before each of its timed runs in the interleaved
+# rounds, in seconds of its own work (`time_interleaved`).
+INTERLEAVED_WARMUP_S = 0.010
 
 
 def step_path(directory: str, step: int) -> Path:
@@ -78,19 +81,21 @@ def step_path(directory: str, step: int) -> Path:
 
 
 def best_of(fn: Callable[[], object], repeats: int, setup: Callable[[], None] | None = None,
-            check: Callable[[object], None] | None = None):
-    """Run ``fn`` ``repeats`` times; min seconds and the last result.
+            check: Callable[[object], None] | None = None, min_seconds: float = 0.0):
+    """Run ``fn`` ``repeats`` times, and on until its timed runs have taken
+    ``min_seconds`` in all; min seconds and the last result.
 
     ``setup`` runs untimed before each run, ``check(result)`` untimed after each.
     """
-    best = float("inf")
+    best, spent, runs = float("inf"), 0.0, 0
     result = None
-    for _ in range(repeats):
+    while runs < repeats or spent < min_seconds:
         if setup is not None:
             setup()
         t0 = time.perf_counter()
         result = fn()
-        best = min(best, time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        best, spent, runs = min(best, took), spent + took, runs + 1
         if check is not None:
             check(result)
     return best, result
@@ -183,11 +188,11 @@ def time_codec(codec: Codec, old: np.ndarray, new: np.ndarray, repeats: int) -> 
     return {"payload_bytes": len(payload), "encode_s": t_enc, "decode_s": t_dec, "verified": True}
 
 
-def time_full_zstd1(new_file: bytes, repeats: int) -> dict:
+def time_full_zstd1(new_file: bytes, repeats: int, min_seconds: float = 0.0) -> dict:
     cctx = zstandard.ZstdCompressor(level=1)  # threads=0: single-threaded, in process
     dctx = zstandard.ZstdDecompressor()
-    t_enc, payload = best_of(lambda: cctx.compress(new_file), repeats)
-    t_dec, got = best_of(lambda: dctx.decompress(payload), repeats)
+    t_enc, payload = best_of(lambda: cctx.compress(new_file), repeats, min_seconds=min_seconds)
+    t_dec, got = best_of(lambda: dctx.decompress(payload), repeats, min_seconds=min_seconds)
     if got != new_file:
         raise AssertionError("zstd-1 reference: round trip differs from NEW")
     return {"payload_bytes": len(payload), "encode_s": t_enc, "decode_s": t_dec, "verified": True}
@@ -324,11 +329,12 @@ class DcrInMemory:
                 raise AssertionError(f"dcr.apply_tensors: tensor {k} differs from NEW: dcr is not bit-exact here")
 
 
-def time_dcr_mem(dcr, inp, m: int, repeats: int, mode: str = "free", known: bool = False) -> dict:
+def time_dcr_mem(dcr, inp, m: int, repeats: int, mode: str = "free", known: bool = False,
+                 min_seconds: float = 0.0) -> dict:
     """dcr in memory (`DcrInMemory`): timed like baselines a-c."""
     d = DcrInMemory(dcr, inp, mode, known)
-    t_enc, (delta, stats) = best_of(d.diff, repeats)
-    t_dec, _ = best_of(lambda: d.apply(delta), repeats, setup=d.fresh, check=d.verify)
+    t_enc, (delta, stats) = best_of(d.diff, repeats, min_seconds=min_seconds)
+    t_dec, _ = best_of(lambda: d.apply(delta), repeats, setup=d.fresh, check=d.verify, min_seconds=min_seconds)
     return {
         "payload_bytes": len(delta),
         "encode_s": t_enc,
@@ -344,14 +350,21 @@ def time_interleaved(dcr, inp, new_file: bytes, rounds: int) -> dict:
     """The speed targets' ratios from interleaved rounds: each round times,
     one after the other, zstd-1 compressing the NEW file, the dcr diff
     (free, committed digests kept), zstd-1 decompressing and the dcr
-    apply, each right after an untimed run of itself; the ratios are of
+    apply, each right after at least `INTERLEAVED_WARMUP_S` of untimed
+    runs of itself (one run of zstd-1, a few of dcr); the ratios are of
     the fastest time of each. Both sides of a ratio thus see the same
     stretches of a host whose speed moves within seconds, where the rows
-    above time each method in a block of its own, seconds apart. On this
-    VM one untimed pass does not keep the 20 MB of OLD and NEW in the
-    last-level cache, so the diff here reads them from memory, as a refit
-    does, where the rows' back-to-back repeats find them in L3
-    (benches/RESULTS.md, twelfth session)."""
+    above time each method in a block of its own, seconds apart.
+
+    The warm-up is measured in time, the same for both sides, because
+    the hosts' memory slows down while a core does little with it and
+    takes milliseconds of traffic to speed up again: after 20 ms of
+    `zstd -1`, a busy loop or a sleep, eight reads of the same 20 MB
+    took 1.58, 1.44, 1.11, 0.89, 0.77, 0.76, ... ms, and the L3-resident
+    data was there all along (benches/RESULTS.md, forty-third session).
+    `zstd -1` works in its own caches and barely moves; one untimed run
+    of a 2 ms diff after it left the timed one 1.2-1.5x its block-row
+    time."""
     d = DcrInMemory(dcr, inp, "free", known=True)
     cctx, dctx = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
     compressed = cctx.compress(new_file)
@@ -362,31 +375,37 @@ def time_interleaved(dcr, inp, new_file: bytes, rounds: int) -> dict:
                                ("dcr_diff", d.diff, None),
                                ("zstd1_decompress", lambda: dctx.decompress(compressed), None),
                                ("dcr_apply", lambda: d.apply(delta), d.fresh)):
-            for timed in (False, True):
+            warm_from = time.perf_counter()
+            while True:
                 if setup is not None:
                     setup()
-                t0 = time.perf_counter()
                 fn()
-                if timed:
-                    best[key] = min(best[key], time.perf_counter() - t0)
+                if time.perf_counter() - warm_from >= INTERLEAVED_WARMUP_S:
+                    break
+            if setup is not None:
+                setup()
+            t0 = time.perf_counter()
+            fn()
+            best[key] = min(best[key], time.perf_counter() - t0)
         d.verify()
     return {
         "encode_vs_zstd1_compress": best["zstd1_compress"] / best["dcr_diff"],
         "apply_vs_zstd1_decompress": best["zstd1_decompress"] / best["dcr_apply"],
         "apply_vs_zstd1_compress": best["zstd1_compress"] / best["dcr_apply"],
         "rounds": rounds,
+        "warmup_s": INTERLEAVED_WARMUP_S,
         "best_s": best,
     }
 
 
 def time_vs_block_rows(best_s: dict, block_row: dict) -> dict:
     """How much slower dcr's fastest interleaved diff and apply were than
-    the same calls in their block row: near 1 where the host kept the
-    inputs in its caches between a call and the next, up to the cold
-    (from memory) time where it kept nothing (benches/RESULTS.md,
-    thirty-ninth session). `zstd -1`, bound by its own work, barely moves
-    either way, so this says how much of an interleaved ratio is the
-    host's caches."""
+    the same calls in their block row: near 1 where the host served the
+    inputs as fast as in the back-to-back repeats, more where its caches
+    lost them or its memory had slowed down during the other method's
+    turn (benches/RESULTS.md, thirty-ninth and forty-third sessions).
+    `zstd -1`, bound by its own work, barely moves either way, so this
+    says how much of an interleaved ratio is the host's memory."""
     return {"diff": best_s["dcr_diff"] / block_row["encode_s"], "apply": best_s["dcr_apply"] / block_row["decode_s"]}
 
 
@@ -429,7 +448,8 @@ def bounds(inp: Input, kinds: np.ndarray) -> dict:
     }
 
 
-def run_input(inp: Input, kinds: np.ndarray, dcr, repeats: int, work: Path, mem_repeats: int) -> dict:
+def run_input(inp: Input, kinds: np.ndarray, dcr, repeats: int, work: Path, mem_repeats: int,
+              mem_seconds: float = 0.0) -> dict:
     old, new = inp.old.words, inp.new_words
     n = old.size
     changed = old != new
@@ -462,7 +482,7 @@ def run_input(inp: Input, kinds: np.ndarray, dcr, repeats: int, work: Path, mem_
     row("d_zstd_cli_patch_from_long3", "d. zstd --patch-from --long -3 (CLI)",
         time_zstd_patch(inp.old_path, inp.new_path, work, repeats))
     ref = row("e_full_new_zstd1", "e. full NEW file, zstd-1 (reference)",
-              time_full_zstd1(inp.new_path.read_bytes(), mem_repeats))
+              time_full_zstd1(inp.new_path.read_bytes(), mem_repeats, mem_seconds))
     row("f_iid_bound", "f. i.i.d. entropy bound", bytes_total=b["iid_bits"] / 8)
     row("f_side_info_bound", "f. side-info bound (kind, old exp)", bytes_total=b["side_info_bits"] / 8)
     ratios = None
@@ -470,11 +490,11 @@ def run_input(inp: Input, kinds: np.ndarray, dcr, repeats: int, work: Path, mem_
         row("g_dcr_files_t1", "g. dcr diff_files/apply_file (files, fsync, 1 thr)",
             time_dcr(dcr, inp.old_path, inp.new_path, work, m, repeats))
         row("g_dcr_free_t1", "g. dcr diff/apply in memory (free, digests computed, 1 thr)",
-            time_dcr_mem(dcr, inp, m, mem_repeats))
+            time_dcr_mem(dcr, inp, m, mem_repeats, min_seconds=mem_seconds))
         d = row("g_dcr_free_known_t1", "g. dcr diff/apply in memory (free, committed digests kept, 1 thr)",
-                time_dcr_mem(dcr, inp, m, mem_repeats, known=True))
+                time_dcr_mem(dcr, inp, m, mem_repeats, known=True, min_seconds=mem_seconds))
         row("h_dcr_context_t1", "h. dcr diff/apply in memory (context, committed digests kept, 1 thr)",
-            time_dcr_mem(dcr, inp, m, mem_repeats, mode="context", known=True))
+            time_dcr_mem(dcr, inp, m, mem_repeats, mode="context", known=True, min_seconds=mem_seconds))
         ratios = {
             "encode_vs_zstd1_compress": d["encode_mb_s"] / ref["encode_mb_s"],
             "apply_vs_zstd1_decompress": d["decode_mb_s"] / ref["decode_mb_s"],
@@ -550,7 +570,7 @@ def print_input(res: dict) -> None:
         slower = v["dcr_time_vs_block_rows"]
         print(f"   interleaved with zstd-1 (same stretches of the host): encode {v['encode_vs_zstd1_compress']:.2f}x, "
               f"apply {v['apply_vs_zstd1_decompress']:.2f}x decompress (dcr's diff {slower['diff']:.2f}x and apply "
-              f"{slower['apply']:.2f}x its block-row time: 1 with the inputs in the caches, more as they come from memory)")
+              f"{slower['apply']:.2f}x its block-row time: 1 where the host's memory served it as fast as there)")
 
 
 SUMMARY_COLS = [  # (method key, short header)
@@ -631,6 +651,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="timing runs of the in-memory rows that take milliseconds (zstd-1 reference and dcr "
                          "in memory, the rows the speed ratios compare), best kept (default 15; 1 with --quick): "
                          "on a shared host a best of 3 of a 2 ms call is mostly noise")
+    ap.add_argument("--mem-seconds", type=float,
+                    help="the in-memory rows also run on until their timed runs have taken this long "
+                         "(default 0.15; 0 with --quick), so that a 2 ms call draws its fastest from as long a "
+                         "stretch of the host as a 10 ms one does from its repeats")
     ap.add_argument("--pairs", help="comma-separated input ids or substrings (ids: " + ", ".join(all_ids) + ")")
     ap.add_argument("--pair", nargs=2, action="append", default=[], metavar=("OLD", "NEW"),
                     help="another pair of bf16 safetensors checkpoints of one layout (repeatable); "
@@ -639,8 +663,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     repeats = args.repeats if args.repeats else (1 if args.quick else 3)
     mem_repeats = args.mem_repeats if args.mem_repeats else (1 if args.quick else 15)
+    mem_seconds = args.mem_seconds if args.mem_seconds is not None else (0.0 if args.quick else 0.15)
     if repeats < 1 or mem_repeats < 1:
         raise SystemExit("--repeats and --mem-repeats must be at least 1")
+    if mem_seconds < 0:
+        raise SystemExit("--mem-seconds must not be negative")
     chosen = [] if args.pair and not args.pairs else select(all_ids, args.pairs)
     own_pairs = [(Path(a), Path(b)) for a, b in args.pair]
     for path in (p for pair in own_pairs for p in pair):
@@ -701,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
                                                     "step_pool": f"{FP32M} 10->11 ulp deltas, sign flips excluded",
                                                     "step_pool_size": int(pool.size)}}), kinds))
         for inp, inp_kinds in inputs:
-            res = run_input(inp, inp_kinds, dcr, repeats, work, mem_repeats)
+            res = run_input(inp, inp_kinds, dcr, repeats, work, mem_repeats, mem_seconds)
             results.append(res)
             print_input(res)
 
@@ -724,7 +751,9 @@ def main(argv: list[str] | None = None) -> int:
         "config": {
             "repeats": repeats,
             "mem_repeats": mem_repeats,
-            "timing": "best of repeats, time.perf_counter, single thread",
+            "mem_seconds": mem_seconds,
+            "interleaved_warmup_s": INTERLEAVED_WARMUP_S,
+            "timing": "best of repeats (the in-memory rows: and of mem_seconds of runs), time.perf_counter, single thread",
             "mb": 1_000_000,
             "checkpoint_bytes": "size of the NEW safetensors file",
             "bytes_per_changed": "payload bytes / changed 16-bit elements",

@@ -7,6 +7,7 @@ import math
 import shutil
 import struct
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -480,3 +481,23 @@ def test_large_pair_refuses_snapshots_of_two_layouts(tmp_path):
     L.write_bf16(tmp_path / "n.safetensors", {"b": np.zeros(4, dtype=np.uint16)})
     with pytest.raises(SystemExit, match="another tensor layout"):
         L.make_pair(tmp_path / "o.safetensors", tmp_path / "n.safetensors", tmp_path / "out", 1, (2, 2))
+
+
+def test_best_of_runs_on_until_its_runs_took_min_seconds(bench_codec):
+    """At least `repeats` runs, then on until the timed runs add up to
+    `min_seconds`, and not one run more."""
+    took = []
+
+    def fn():
+        t0 = time.perf_counter()
+        time.sleep(0.002)
+        took.append(time.perf_counter() - t0)
+        return len(took)
+
+    best, last = bench_codec.best_of(fn, 3, min_seconds=0.03)
+    assert last == len(took) > 3
+    assert sum(took[:-1]) < 0.03 <= sum(took) + 0.001 * len(took)
+    assert best >= min(took)
+    took.clear()
+    bench_codec.best_of(fn, 3)
+    assert len(took) == 3
