@@ -167,20 +167,26 @@ fn gaps_and_costs_any(positions: &[u32], gaps: &mut Vec<u32>, k0: u32) -> [u64; 
     let start = gaps.len();
     let out = &mut gaps.spare_capacity_mut()[..n];
     out[0].write(first);
-    let mut sums = UnarySums::default();
-    sums.add_block(std::iter::once(first), k0);
-    // Independent differences of neighbours: `next[i] - previous[i] - 1`.
-    let blocks = out[1..].chunks_mut(UnarySums::BLOCK).zip(positions[1..].chunks(UnarySums::BLOCK).zip(positions.chunks(UnarySums::BLOCK)));
-    for (out, (next, previous)) in blocks {
-        sums.add_block(
-            out.iter_mut().zip(next.iter().zip(previous)).map(|(o, (&p, &q))| {
-                let g = p - q - 1;
-                o.write(g);
-                g
-            }),
-            k0,
-        );
+    // Sums in 32 bits, sixteen lanes to a register where the 64-bit sum
+    // of `h` took two: none can overflow, since the gaps of ascending u32
+    // positions add up to less than the last position, and `h = g >> k0`,
+    // `h & 1` and `h & 3` are each at most `g`.
+    let (mut high, mut odd, mut low2) = (0u32, 0u32, 0u32);
+    for (o, (&p, &q)) in out[1..].iter_mut().zip(positions[1..].iter().zip(positions)) {
+        // Independent differences of neighbours: `next[i] - previous[i] - 1`.
+        let g = p - q - 1;
+        o.write(g);
+        let h = g >> k0;
+        high += h;
+        odd += h & 1;
+        low2 += h & 3;
     }
+    let h = first >> k0;
+    let sums = UnarySums {
+        high: u64::from(high) + u64::from(h),
+        odd: u64::from(odd) + u64::from(h & 1),
+        low2: u64::from(low2) + u64::from(h & 3),
+    };
     // Safety: the `n` slots past `start` were all written just above.
     #[allow(unsafe_code)]
     unsafe {
@@ -1463,20 +1469,29 @@ mod tests {
     }
 
     /// The fused pass writes the gaps and counts their costs as the two
-    /// passes it replaces do, on every kernel this CPU has, across the
-    /// blocks of its 32-bit sums and appended behind earlier gaps.
+    /// passes it replaces do, on every kernel this CPU has, for long lists,
+    /// for gaps that add up to nearly 2^32 (its sums are 32-bit), and
+    /// appended behind earlier gaps.
     #[test]
     fn gaps_and_best_parameter_match_the_two_passes() {
         let mut next = super::super::tests::xorshift(0x9E37_79B9);
-        for (m, mean) in [(0usize, 1u64), (1, 0), (1, 70), (17, 3), (5000, 9), (UnarySums::BLOCK + 37, 2)] {
-            let mut at = 0u32;
-            let positions: Vec<u32> = (0..m)
-                .map(|_| {
-                    let p = at + (next() % (2 * mean + 1)) as u32;
-                    at = p + 1;
-                    p
-                })
-                .collect();
+        let mut lists: Vec<Vec<u32>> = [(0usize, 1u64), (1, 0), (1, 70), (17, 3), (5000, 9), (UnarySums::BLOCK + 37, 2)]
+            .into_iter()
+            .map(|(m, mean)| {
+                let mut at = 0u32;
+                (0..m)
+                    .map(|_| {
+                        let p = at + (next() % (2 * mean + 1)) as u32;
+                        at = p + 1;
+                        p
+                    })
+                    .collect()
+            })
+            .collect();
+        lists.push(vec![3, 1 << 31, u32::MAX - 1]);
+        lists.push((0..40).map(|i| if i < 39 { i * 7 } else { u32::MAX - 1 }).collect());
+        for positions in lists {
+            let m = positions.len();
             let gaps = super::super::position_gaps(&positions);
             let span = positions.last().map_or(0, |&p| u64::from(p) + 1);
             let want = if m == 0 { None } else { Some(best_rice_parameter(&gaps, span, m as u64)) };
