@@ -68,7 +68,7 @@ ENCODE_TARGET = 4.0  # dcr encode speed / zstd-1 compress speed
 APPLY_TARGET = 6.0   # dcr apply speed / zstd-1 decompress speed
 # Untimed runs of a method before each of its timed runs in the interleaved
 # rounds, in seconds of its own work (`time_interleaved`).
-INTERLEAVED_WARMUP_S = 0.010
+INTERLEAVED_WARMUP_S = 0.020
 
 
 def step_path(directory: str, step: int) -> Path:
@@ -351,20 +351,22 @@ def time_interleaved(dcr, inp, new_file: bytes, rounds: int) -> dict:
     one after the other, zstd-1 compressing the NEW file, the dcr diff
     (free, committed digests kept), zstd-1 decompressing and the dcr
     apply, each right after at least `INTERLEAVED_WARMUP_S` of untimed
-    runs of itself (one run of zstd-1, a few of dcr); the ratios are of
-    the fastest time of each. Both sides of a ratio thus see the same
-    stretches of a host whose speed moves within seconds, where the rows
-    above time each method in a block of its own, seconds apart.
+    runs of itself (two runs of zstd-1, about ten of dcr's); the
+    ratios are of the fastest time of each. Both sides of a ratio thus
+    see the same stretches of a host whose speed moves within seconds,
+    where the rows above time each method in a block of its own, seconds
+    apart.
 
-    The warm-up is measured in time, the same for both sides, because
-    the hosts' memory slows down while a core does little with it and
-    takes milliseconds of traffic to speed up again: after 20 ms of
-    `zstd -1`, a busy loop or a sleep, eight reads of the same 20 MB
-    took 1.58, 1.44, 1.11, 0.89, 0.77, 0.76, ... ms, and the L3-resident
-    data was there all along (benches/RESULTS.md, forty-third session).
-    `zstd -1` works in its own caches and barely moves; one untimed run
-    of a 2 ms diff after it left the timed one 1.2-1.5x its block-row
-    time."""
+    The warm-up is measured in time, the same for both sides, and longer
+    than the hosts' memory takes to speed up again after a core did
+    little with it: after 20 ms of `zstd -1`, a busy loop or a sleep,
+    eight reads of the same 20 MB took 1.58, 1.44, 1.11, 0.89, 0.77,
+    0.76, ... ms with the data in L3 all along, and diffs at fp32m 10->15
+    after two `zstd -1` runs 3.83, 3.38, 2.92, 2.74, 2.67, 2.66, ... ms,
+    steady after about 12 ms of their own work (benches/RESULTS.md,
+    forty-third session). `zstd -1` works in its own caches and barely
+    moves. With one untimed run each, the timed diff took 1.2-1.5x its
+    block-row time; with 10 ms of warm-up 1.08-1.17x at 10->15."""
     d = DcrInMemory(dcr, inp, "free", known=True)
     cctx, dctx = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
     compressed = cctx.compress(new_file)
