@@ -279,20 +279,17 @@ pub fn diff_from_announced(
         stats.delta_bytes += bytes.len() as u64;
         sink(bytes)
     };
+    let (delta_tag, chunk_kind) = (header.tag(), if opts.dense { ChangeKind::Overwrite } else { opts.kind });
     let header_frame = header.to_frame();
     if !opts.dense && kept.iter().all(|k| matches!(k, Found::Encoded(_))) {
         // Every frame is known: the preamble, the header, the chunks in
-        // order, the trailer (its fields are fixed-size).
-        let mut seq = 0u32;
-        let mut chunks = 0u64;
-        for (u, k) in units.iter().zip(&kept) {
-            if let Found::Encoded(Some(c)) = k {
-                chunks += ChunkFrame { delta_tag: 0, seq, tensor: u.tensor as u32, start: u.start, len: u.len as u32, kind: opts.kind, encoding: c.encoding, mode: c.mode, n_changed: c.n_changed, payload: c.payload.as_slice() }.frame_len() as u64;
-                seq = seq.wrapping_add(1);
-            }
-        }
-        let trailer = Trailer { delta_tag: 0, n_chunks: 0, n_changed: 0, tensor_digests: vec![ANY_BASE; layout.len()] }.to_frame().len();
-        announce(format::PREAMBLE_LEN as u64 + header_frame.len() as u64 + chunks + trailer as u64)?;
+        // order, the trailer.
+        let chunks = units.iter().zip(&kept).filter_map(|(u, k)| match k {
+            Found::Encoded(Some(c)) => Some((u, c)),
+            _ => None,
+        });
+        let chunk_bytes: u64 = chunks.enumerate().map(|(seq, (u, c))| chunk_frame(delta_tag, chunk_kind, seq as u32, u, c).frame_len() as u64).sum();
+        announce(format::PREAMBLE_LEN as u64 + header_frame.len() as u64 + chunk_bytes + Trailer::frame_len(layout.len()) as u64)?;
     }
     emit(&format::preamble(), &mut stats)?;
     emit(&header_frame, &mut stats)?;
@@ -329,18 +326,7 @@ pub fn diff_from_announced(
             let w = layout.tensors()[u.tensor].dtype.word_bytes() as u64;
             done_bytes += u.len * w;
             let Some(chunk) = e? else { continue };
-            let frame = ChunkFrame {
-                delta_tag: header.tag(),
-                seq,
-                tensor: u.tensor as u32,
-                start: u.start,
-                len: u.len as u32,
-                kind: if opts.dense { ChangeKind::Overwrite } else { opts.kind },
-                encoding: chunk.encoding,
-                mode: chunk.mode,
-                n_changed: chunk.n_changed,
-                payload: chunk.payload,
-            };
+            let frame = chunk_frame(delta_tag, chunk_kind, seq, u, &chunk);
             let frame_len = frame.frame_len() as u64;
             let t = &mut stats.per_tensor[u.tensor];
             t.changed += u64::from(frame.n_changed);
@@ -362,6 +348,22 @@ pub fn diff_from_announced(
     let trailer = Trailer { delta_tag: header.tag(), n_chunks: seq, n_changed: stats.changed, tensor_digests: new_d };
     emit(&trailer.to_frame(), &mut stats)?;
     Ok(stats)
+}
+
+/// Unit `u`'s encoded chunk as frame `seq` of the delta tagged `delta_tag`.
+fn chunk_frame<'c>(delta_tag: u64, kind: ChangeKind, seq: u32, u: &Unit, chunk: &'c codec::EncodedChunk) -> ChunkFrame<&'c [u8]> {
+    ChunkFrame {
+        delta_tag,
+        seq,
+        tensor: u.tensor as u32,
+        start: u.start,
+        len: u.len as u32,
+        kind,
+        encoding: chunk.encoding,
+        mode: chunk.mode,
+        n_changed: chunk.n_changed,
+        payload: chunk.payload.as_slice(),
+    }
 }
 
 /// A fully parsed and structurally validated delta. `read_delta` leaves

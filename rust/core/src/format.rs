@@ -276,6 +276,12 @@ impl<P: AsRef<[u8]>> ChunkFrame<P> {
 }
 
 impl Trailer {
+    /// Bytes of the frame of a trailer over `n_tensors` tensors (its
+    /// fields are fixed-size): what `to_frame` returns.
+    pub fn frame_len(n_tensors: usize) -> usize {
+        FRAME_OVERHEAD + 8 + 4 + 8 + 4 + 16 * n_tensors
+    }
+
     pub fn to_frame(&self) -> Vec<u8> {
         let mut b = Vec::new();
         b.extend_from_slice(&self.delta_tag.to_le_bytes());
@@ -627,6 +633,7 @@ mod tests {
         // A trailer that claims more digests than its body holds, and one
         // with bytes after its digests.
         let trailer = Trailer { delta_tag: 7, n_chunks: 1, n_changed: 1, tensor_digests: vec![[3u8; 16]; 2] }.to_frame();
+        assert_eq!(trailer.len(), Trailer::frame_len(2));
         assert!(matches!(parse_frame(&trailer).unwrap(), Some((Frame::Trailer(t), _)) if t.tensor_digests.len() == 2));
         let body = &trailer[5..trailer.len() - 4];
         let mut claims = body.to_vec();
